@@ -1,0 +1,74 @@
+"""Trajectory and batch containers shared by samplers, rollout and the learner.
+
+Shapes follow the legend in :mod:`jaxrl_llm` (B sequences, T tokens).
+A ``Trajectory`` is what a sampler emits for one batch of prompts; the learner
+turns it into a ``Batch`` by adding advantages and (optionally) reference
+log-probabilities. Both are flax ``struct.dataclass`` pytrees so they pass
+through ``jit`` and can be sharded over the data axis.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import numpy as np
+from flax import struct
+
+Array = jax.Array | np.ndarray
+
+
+@struct.dataclass
+class Trajectory:
+  """Sampled sequences with everything the learner needs to correct for off-policyness.
+
+  Attributes:
+    tokens_bt: int32 [B, T] prompt followed by response, right-padded with pad id.
+    prompt_mask_bt: bool [B, T] True on prompt tokens.
+    response_mask_bt: bool [B, T] True on sampled response tokens, including the
+      stop (EOS) token when one was sampled. Padding is False.
+    behaviour_logp_bt: float32 [B, T] log mu(token_t | prefix) of the sampled token
+      under the sampler's processed distribution (temperature, top-k/top-p),
+      recorded at sampling time; 0 outside the response.
+    policy_version_bt: int32 [B, T] version of the weights that sampled each token
+      (-1 outside the response). In-flight updates may change it mid-sequence.
+    group_id_b: int32 [B] prompt index; the N samples of a prompt are contiguous.
+    rewards_b: float32 [B] scalar reward of each sequence (verifier or reward model).
+    finished_b: bool [B] True when the response ended with a stop token, False
+      when it hit the length limit.
+  """
+
+  tokens_bt: Array
+  prompt_mask_bt: Array
+  response_mask_bt: Array
+  behaviour_logp_bt: Array
+  policy_version_bt: Array
+  group_id_b: Array
+  rewards_b: Array
+  finished_b: Array
+
+  @property
+  def batch_size(self) -> int:
+    return int(self.tokens_bt.shape[0])
+
+
+@struct.dataclass
+class Batch:
+  """A training batch: a trajectory plus learner-side quantities.
+
+  Attributes:
+    trajectory: the sampled data.
+    advantages_bt: float32 [B, T] per-token advantages (0 outside the response).
+    returns_bt: float32 [B, T] value targets for the critic (PPO path), or zeros.
+    old_values_bt: float32 [B, T] critic values at sampling time (for value clipping).
+    ref_logp_bt: optional float32 [B, T] reference-policy log-probabilities for KL.
+    proximal_logp_bt: optional float32 [B, T] log pi_k under the learner's current
+      weights before the update (decoupled PPO); equals behaviour when on-policy.
+  """
+
+  trajectory: Trajectory
+  advantages_bt: Array
+  returns_bt: Array
+  old_values_bt: Array
+  ref_logp_bt: Optional[Array] = None
+  proximal_logp_bt: Optional[Array] = None
