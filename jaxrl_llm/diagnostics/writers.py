@@ -1,0 +1,149 @@
+"""Metric sinks: JSONL log, TensorBoard event files, and a terminal progress bar.
+
+``MetricsWriter`` fans one ``write(step, metrics)`` call out to every sink. Values
+are converted to Python floats once (a single device-to-host transfer per step).
+Non-finite values are written as strings ("nan", "inf") in JSONL so the file
+stays valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+
+def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
+  """Flattens a metrics mapping into ``{name: float}`` (device arrays fetched once)."""
+  import jax
+  host = jax.device_get(dict(metrics))
+  out = {}
+  for k, v in host.items():
+    arr = np.asarray(v)
+    if arr.size == 1:
+      out[k] = float(arr.reshape(()))
+  return out
+
+
+def _json_safe(v: float) -> Any:
+  return v if math.isfinite(v) else str(v)
+
+
+class JsonlWriter:
+  def __init__(self, path: str):
+    self._f = open(path, "a", buffering=1)
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    rec = {"step": step, "time": time.time(), **{k: _json_safe(v) for k, v in metrics.items()}}
+    self._f.write(json.dumps(rec) + "\n")
+
+  def close(self) -> None:
+    self._f.close()
+
+
+class TensorBoardWriter:
+  def __init__(self, logdir: str):
+    from tensorboardX import SummaryWriter
+    self._w = SummaryWriter(logdir=logdir, flush_secs=10)
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    for k, v in metrics.items():
+      self._w.add_scalar(k, v, step)
+
+  def close(self) -> None:
+    self._w.flush()
+    self._w.close()
+
+
+class ProgressBar:
+  """A rich progress bar whose description shows the headline metrics."""
+
+  HEADLINE = ("reward/mean", "eval/accuracy", "throughput/tokens_per_s", "loss")
+
+  def __init__(self, total: int, description: str, enabled: bool = True):
+    self._enabled = enabled
+    self._latest: dict[str, float] = {}
+    if not enabled:
+      return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=False)
+    self._progress.start()
+    self._task = self._progress.add_task(description, total=total, info="")
+
+  def update(self, step: int, metrics: Mapping[str, float]) -> None:
+    self._latest.update({k: v for k, v in metrics.items() if k in self.HEADLINE})
+    if not self._enabled:
+      return
+    info = "  ".join(f"{k.split('/')[-1]}={v:.3g}" for k, v in self._latest.items())
+    self._progress.update(self._task, completed=step, info=info)
+
+  def close(self) -> None:
+    if self._enabled:
+      self._progress.stop()
+
+
+class MetricsWriter:
+  """JSONL + TensorBoard + progress bar behind one ``write`` call."""
+
+  def __init__(self, run_dir: str, total_steps: int, description: str = "train",
+               progress: bool = True, tensorboard: bool = True, jsonl_name: str = "metrics.jsonl"):
+    os.makedirs(run_dir, exist_ok=True)
+    self.jsonl_path = os.path.join(run_dir, jsonl_name)
+    self.tb_dir = os.path.join(run_dir, "tensorboard")
+    self._sinks: list[Any] = [JsonlWriter(self.jsonl_path)]
+    if tensorboard:
+      self._sinks.append(TensorBoardWriter(self.tb_dir))
+    self._bar = ProgressBar(total_steps, description, enabled=progress)
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+    values = to_python(metrics)
+    for s in self._sinks:
+      s.write(step, values)
+    self._bar.update(step, values)
+    return values
+
+  def close(self) -> None:
+    self._bar.close()
+    for s in self._sinks:
+      s.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(records: list[dict], out_png: str, keys: Optional[list[str]] = None, title: str = "") -> str:
+  """PNG of each key against step (left column) and wall-clock seconds (right).
+
+  Args:
+    records: JSONL records with ``step`` and ``time``.
+    out_png: output path.
+    keys: metric names (default: reward/mean and eval/accuracy).
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  keys = keys or ["reward/mean", "eval/accuracy"]
+  t0 = min((r["time"] for r in records), default=0.0)
+  fig, axes = plt.subplots(len(keys), 2, figsize=(10, 3 * len(keys)), squeeze=False)
+  for row, key in enumerate(keys):
+    pts = [(r["step"], r["time"] - t0, r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    for col, (idx, label) in enumerate(((0, "step"), (1, "wall-clock seconds"))):
+      ax = axes[row][col]
+      if pts:
+        ax.plot([p[idx] for p in pts], [p[2] for p in pts], marker="." if len(pts) < 50 else None)
+      ax.set_xlabel(label)
+      ax.set_ylabel(key)
+      ax.grid(alpha=0.3)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+  return out_png

@@ -1,0 +1,67 @@
+"""Device mesh for the learner: ('data', 'fsdp', 'tensor') axes built from config.
+
+Model code names logical axes only (see :mod:`jaxrl_llm.models.sharding`); the
+mesh decides how many devices each mesh axis spans. One size may be -1 ("fill"):
+it takes all remaining devices.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# Axes the batch dimension is split over: both data-parallel and FSDP shard examples.
+BATCH_AXES = ("data", "fsdp")
+
+
+def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+  """Turns ``{'data': -1, 'fsdp': 1, 'tensor': 1}`` into concrete sizes.
+
+  Raises:
+    ValueError: naming the field (``learner.mesh.<axis>``) when sizes are not
+      positive or -1, more than one is -1, or the product does not match.
+  """
+  unknown = set(sizes) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"learner.mesh: unknown axes {sorted(unknown)}; expected {MESH_AXES}")
+  shape = [int(sizes.get(a, 1)) for a in MESH_AXES]
+  for axis, n in zip(MESH_AXES, shape):
+    if n == 0 or n < -1:
+      raise ValueError(f"learner.mesh.{axis}={n}: expected a positive size or -1 (fill)")
+  if shape.count(-1) > 1:
+    raise ValueError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: at most one axis may be -1")
+  known = int(np.prod([n for n in shape if n != -1]))
+  if -1 in shape:
+    if num_devices % known:
+      raise ValueError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: {num_devices} devices "
+                       f"are not divisible by the fixed axes' product {known}")
+    shape[shape.index(-1)] = num_devices // known
+  if int(np.prod(shape)) != num_devices:
+    raise ValueError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: product {int(np.prod(shape))} "
+                     f"!= number of devices {num_devices}")
+  return tuple(shape)  # type: ignore[return-value]
+
+
+def make_mesh(sizes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """Builds the learner mesh over ``devices`` (default: all of them)."""
+  devices = list(devices if devices is not None else jax.devices())
+  shape = resolve_mesh_shape(sizes, len(devices))
+  return Mesh(np.array(devices).reshape(shape), MESH_AXES)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Shards axis 0 of a rank-``ndim`` array over the batch axes, replicates the rest."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_divisor(mesh: Mesh) -> int:
+  """Number of shards the batch axis is split into."""
+  return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))

@@ -1,0 +1,164 @@
+"""The pure, jitted RL update: recompute log pi, run the objective chain, aggregate,
+differentiate, and apply the guarded optax step (policy and optional critic).
+
+Structure of one step (all inside one ``jit``)::
+
+  normaliser = loss_normaliser(per_example_partials(objective, logp=prox))  # no forward
+  for each micro-batch (lax.scan, fixed order):
+    logp_bt  = sequence_logprobs(params, tokens, temperature)            # FP32 logits / tau
+    values   = critic(critic_params, tokens)          (PPO path only)
+    partials = per_example_partials(objective, logp_bt, ...)
+    grads   += grad(micro_batch_loss(partials, normaliser))
+  metrics = finalize(concat(partials))      # same bits as the whole batch
+  params  = guarded optax update (skipped when non-finite)
+
+The loss denominators do not depend on the parameters, so dividing each
+micro-batch's numerator by the whole batch's denominator makes the micro-batch
+losses add up to the full-batch loss (see :mod:`jaxrl_llm.objectives.loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jaxrl_llm import models, objectives as O
+from jaxrl_llm.learner import update
+from jaxrl_llm.learner.state import TrainState
+from jaxrl_llm.models.config import ModelConfig
+
+
+@struct.dataclass
+class RLBatch:
+  """Everything one update reads, [B, T] unless noted (right-padded, prompt first).
+
+  Attributes:
+    tokens_bt: int32 prompt + response + padding.
+    seq_mask_bt: bool real tokens (prompt and response).
+    response_mask_bt: bool sampled tokens, stop token included (the loss mask).
+    behaviour_logp_bt: float32 log mu recorded by the sampler.
+    advantages_bt: float32.
+    ref_logp_bt: float32 reference-policy log-probabilities (zeros without KL).
+    lag_bt: int32 policy-version lag of each token (current - sampling version).
+    old_values_bt: float32 critic values at sampling time (zeros without critic).
+    returns_bt: float32 critic targets (zeros without critic).
+  """
+
+  tokens_bt: jax.Array
+  seq_mask_bt: jax.Array
+  response_mask_bt: jax.Array
+  behaviour_logp_bt: jax.Array
+  advantages_bt: jax.Array
+  ref_logp_bt: jax.Array
+  lag_bt: jax.Array
+  old_values_bt: jax.Array
+  returns_bt: jax.Array
+
+
+def shifted_values(critic_params: Any, critic_config: ModelConfig, tokens_bt: jax.Array,
+                   seq_mask_bt: jax.Array) -> jax.Array:
+  """Critic values aligned like log-probabilities: ``V[:, t]`` is the value of the
+  state *before* token t, i.e. the value head read at position t - 1 (0 at t = 0).
+
+  Returns:
+    float32 [B, T].
+  """
+  out = models.forward(critic_params, critic_config, tokens_bt, models.positions_from_mask(seq_mask_bt),
+                       seq_mask_bt)
+  v = out["values_bt"].astype(jnp.float32)
+  return jnp.concatenate([jnp.zeros_like(v[:, :1]), v[:, :-1]], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLStepSpec:
+  """Static description of an RL step (hashable; one compilation per spec).
+
+  Attributes:
+    model: the policy's ModelConfig.
+    temperature: sampling temperature tau; log pi uses logits / tau.
+    group_size: N samples per prompt (contiguous rows).
+    micro_batches: gradient-accumulation splits of the batch.
+    use_ref: feed ref_logp_bt to the objective (KL terms).
+    use_entropy: compute per-token entropy (entropy bonus).
+    critic: the critic's ModelConfig (value head) or None.
+    train_actor: False during critic warm-up (actor frozen).
+  """
+
+  model: ModelConfig
+  temperature: float
+  group_size: int
+  micro_batches: int = 1
+  use_ref: bool = False
+  use_entropy: bool = False
+  critic: Optional[ModelConfig] = None
+  train_actor: bool = True
+
+
+def _partials(spec: RLStepSpec, objective: O.ObjectiveTransform, params: Any, critic_params: Any,
+              batch: RLBatch, obj_state: Any, logp_bt: Optional[jax.Array] = None):
+  entropy_bt = None
+  if logp_bt is None:
+    if spec.use_entropy:
+      logp_bt, entropy_bt = models.sequence_logprobs_and_entropy(
+          params, spec.model, batch.tokens_bt, batch.seq_mask_bt, spec.temperature)
+    else:
+      logp_bt = models.sequence_logprobs(params, spec.model, batch.tokens_bt, batch.seq_mask_bt,
+                                         spec.temperature)
+  elif spec.use_entropy:
+    entropy_bt = jnp.zeros_like(logp_bt)
+  critic_fields = {}
+  if spec.critic is not None:
+    values = (batch.old_values_bt if critic_params is None
+              else shifted_values(critic_params, spec.critic, batch.tokens_bt, batch.seq_mask_bt))
+    critic_fields = dict(values_bt=values, old_values_bt=batch.old_values_bt, returns_bt=batch.returns_bt)
+  return O.per_example_partials(
+      objective, logp_bt, mask_bt=batch.response_mask_bt, advantages_bt=batch.advantages_bt,
+      behaviour_logp_bt=batch.behaviour_logp_bt, state=obj_state,
+      ref_logp_bt=batch.ref_logp_bt if spec.use_ref else None, lag_bt=batch.lag_bt,
+      entropy_bt=entropy_bt, group_size=spec.group_size, **critic_fields)
+
+
+def make_rl_step(spec: RLStepSpec, objective: O.ObjectiveTransform, optimizer: optax.GradientTransformation,
+                 critic_optimizer: Optional[optax.GradientTransformation] = None):
+  """Returns a jitted ``step(state, obj_state, batch) -> (state, obj_state, metrics)``.
+
+  Metrics: the objective's (loss, clip fractions, ratio statistics, KL
+  estimates, ESS, masked share, ...), ``grad_norm``,
+  ``update/skipped_nonfinite`` and, with a critic, ``critic/grad_norm``.
+  """
+  if spec.critic is not None and critic_optimizer is None:
+    raise ValueError("make_rl_step: a critic needs critic_optimizer")
+
+  def loss_fn(trainable, mb, normaliser, obj_state):
+    params, critic_params = trainable
+    partials, new_state = _partials(spec, objective, params, critic_params, mb, obj_state)
+    return O.micro_batch_loss(partials, normaliser), (partials, new_state)
+
+  @jax.jit
+  def step(state: TrainState, obj_state: Any, batch: RLBatch):
+    # Denominators do not depend on the parameters: evaluate them once, forward-free.
+    partials0, _ = _partials(spec, objective, None, None, batch, obj_state, logp_bt=batch.behaviour_logp_bt)
+    normaliser = O.loss_normaliser(partials0)
+    trainable = (state.params, state.critic_params)
+    loss, grads, (partials, new_states) = update.accumulate(
+        loss_fn, trainable, batch, spec.micro_batches, normaliser, obj_state)
+    new_obj_state = jax.tree.map(lambda x: x[-1], new_states)
+    flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), partials)
+    _, metrics = O.finalize(flat)
+    policy_grads, critic_grads = grads
+    if spec.train_actor:
+      state, upd = update.apply_policy_update(state, policy_grads, loss, optimizer)
+      metrics.update(upd)
+    if spec.critic is not None:
+      cparams, copt, _, cmetrics = update.guarded_apply(state.critic_params, state.critic_opt_state,
+                                                        critic_grads, loss, critic_optimizer)
+      state = state.replace(critic_params=cparams, critic_opt_state=copt)
+      metrics.update({f"critic/{k}": v for k, v in cmetrics.items()})
+    return state, new_obj_state, metrics
+
+  return step
