@@ -87,8 +87,22 @@ def tree_sum(x: jax.Array, axis: int = 0, axis_name: Optional[str] = None) -> ja
   x = jnp.moveaxis(jnp.asarray(x), axis, 0)
   out = _pairwise_leading(x) if x.shape[0] else jnp.zeros(x.shape[1:], x.dtype)
   if axis_name is not None:
-    out = _pairwise_leading(jax.lax.all_gather(out, axis_name))
+    out = _pairwise_leading(_gather_exact(out, axis_name))
   return _canonical_zero(out)
+
+
+def _gather_exact(x: jax.Array, axis_name: str) -> jax.Array:
+  """All devices' ``x`` stacked in device order, as a replicated value.
+
+  Each device writes its partial into its own slot of a zero vector and the
+  vectors are ``psum``-ed: every slot receives one value plus exact zeros, so the
+  result is bit-exact whatever order the collective adds in, and (unlike
+  ``all_gather``) it is known to be replicated, so ``shard_map`` can return it
+  with ``out_specs=P()``.
+  """
+  size = jax.lax.axis_size(axis_name)
+  slots = jnp.zeros((size,) + x.shape, x.dtype).at[jax.lax.axis_index(axis_name)].set(x)
+  return jax.lax.psum(slots, axis_name)
 
 
 def _check_bt(values_bt: jax.Array, mask_bt: jax.Array, who: str) -> None:

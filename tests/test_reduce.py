@@ -83,7 +83,7 @@ def test_shard_map_axis_name_matches_global():
   v, m = _data()
   mesh = Mesh(np.array(jax.devices()), ("data",))
   f = jax.jit(jax.shard_map(lambda v, m: R.token_sum(v, m, axis_name="data"), mesh=mesh,
-                            in_specs=(P("data"), P("data")), out_specs=P(), check_vma=False))
+                            in_specs=(P("data"), P("data")), out_specs=P()))
   np.testing.assert_array_equal(bits(f(v, m)), bits(_stats_jit(v, m)[0]))
 
 

@@ -120,7 +120,7 @@ class Run:
       critic_params = builders.build_params(c, self.critic_config, self.mesh, c.seed + 1,
                                             c.critic.init_from or c.init.hf_checkpoint or None)
     train = create_train_state(params, self.optimizer, c.seed, critic_params, self.critic_optimizer)
-    return RunState(train=train, objective=self.objective.init(None), ref_params=None)
+    return _place_on_mesh(RunState(train=train, objective=self.objective.init(None), ref_params=None), self.mesh)
 
   def _restore(self) -> None:
     if not (self.config.checkpoint.resume and self.checkpointer.latest_step() is not None):
@@ -160,10 +160,11 @@ class Run:
     pass_k = pass_k or self.config.eval.pass_k
     examples = list(self.eval_set.examples)
     prompts = [self.encode_prompt(e.prompt) for e in examples]
-    greedy = self.sampler.generate(prompts, greedy=True, num_samples=1)
+    rng = jax.random.fold_in(jax.random.PRNGKey(self.config.seed + 1), self.progress.sft_step + self.progress.rl_step)
+    greedy = self.sampler.generate(prompts, greedy=True, num_samples=1, rng=rng)
     correct = np.array([self.task.reward(e, self.decode_response(r)) >= 1.0
                         for e, r in zip(examples, greedy.response_tokens)])
-    sampled = self.sampler.generate(prompts, num_samples=pass_k)
+    sampled = self.sampler.generate(prompts, num_samples=pass_k, rng=jax.random.fold_in(rng, 1))
     hits = np.array([self.task.reward(examples[i // pass_k], self.decode_response(r)) >= 1.0
                      for i, r in enumerate(sampled.response_tokens)]).reshape(len(examples), pass_k)
     return {"eval/accuracy": float(correct.mean()), f"eval/pass@{pass_k}": float(hits.any(1).mean()),
@@ -223,7 +224,10 @@ class Run:
     n = c.rl.samples_per_prompt
     pb = prompt_source.next_batch()
     t0 = time.perf_counter()
-    result = self.sampler.generate([self.encode_prompt(e.prompt) for e in pb.examples])
+    # The sampling key is a function of (seed, step) only, so a resumed run samples what
+    # the uninterrupted run would have.
+    rng = jax.random.fold_in(jax.random.PRNGKey(c.seed), self.progress.rl_step)
+    result = self.sampler.generate([self.encode_prompt(e.prompt) for e in pb.examples], rng=rng)
     t_sample = time.perf_counter() - t0
     traj = result.trajectory
     pairs = [(pb.examples[i // n], self.decode_response(r)) for i, r in enumerate(result.response_tokens)]
@@ -358,6 +362,20 @@ class Run:
           f"({seconds:.0f} s).\nOutputs in {self.run_dir}: metrics.jsonl, tensorboard/, curves.png, summary.json"
           + (", hf_export/" if export_dir else ""))
     return summary
+
+
+def _place_on_mesh(tree: Any, mesh) -> Any:
+  """Commits every leaf to ``mesh``: sharded leaves keep their sharding, the rest
+  (step counters, RNG, optimizer counts, objective state) are replicated, so a
+  state restored from a checkpoint lands on the same devices as a fresh one."""
+  replicated = mesh_lib.replicated(mesh)
+
+  def place(x):
+    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) and x.sharding.mesh == mesh:
+      return x
+    return jax.device_put(x, replicated)
+
+  return jax.tree.map(place, tree)
 
 
 def _sft_optimizer(config: ml_collections.ConfigDict):

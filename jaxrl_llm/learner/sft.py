@@ -39,13 +39,19 @@ class SftBatch:
 
 
 def collate(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], eos_id: int,
-            pad_id: int, length: int) -> SftBatch:
+            pad_id: int, length: int, bucket: int = 16) -> SftBatch:
   """Builds a right-padded batch; the EOS appended to each target is trained.
+
+  The padded length is the longest row rounded up to a multiple of ``bucket``
+  (few distinct shapes, so few compilations), at most ``length``.
 
   Raises:
     ValueError: naming the row when prompt + target + EOS exceeds ``length``.
   """
   b = len(prompts)
+  longest = max(len(p) + len(t) + 1 for p, t in zip(prompts, targets))
+  if longest <= length:
+    length = min(length, -(-longest // bucket) * bucket)
   tokens = np.full((b, length), pad_id, np.int32)
   mask = np.zeros((b, length), bool)
   seq = np.zeros((b, length), bool)

@@ -87,9 +87,9 @@ def guarded_apply(params: Any, opt_state: Any, grads: Any, loss: jax.Array,
   params = jax.tree.map(keep, new_params, params)
   opt_state = jax.tree.map(keep, new_opt, opt_state)
   metrics = {
-      "grad_norm": jnp.where(finite, optax.global_norm(grads), jnp.nan),
+      "grad_norm": jnp.where(finite, optax.tree.norm(grads), jnp.nan),
       "update/skipped_nonfinite": 1.0 - finite.astype(jnp.float32),
-      "update/param_norm": optax.global_norm(params),
+      "update/param_norm": optax.tree.norm(params),
   }
   return params, opt_state, finite, metrics
 

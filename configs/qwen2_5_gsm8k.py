@@ -1,0 +1,39 @@
+"""GRPO on GSM8K-style JSONL data from a Hugging Face checkpoint (Qwen2.5 family).
+
+  jaxrl-train --config=configs/qwen2_5_gsm8k.py \\
+      --config.init.hf_checkpoint=/path/to/Qwen2.5-0.5B-Instruct \\
+      --config.task.kwargs.path=/path/to/gsm8k_train.jsonl
+
+The checkpoint folder holds config.json, safetensors and tokenizer files; prompts
+are wrapped in its chat template, and answers are checked by the math verifier.
+On the CPU the built-in JAX sampler generates; on GPUs the vLLM sampler
+(``sampler.kind='vllm'``) is the intended choice once available.
+"""
+
+import ml_collections
+
+from jaxrl_llm.configuration import base_config
+
+
+def get_config():
+  c = base_config()
+  c.name = "qwen2_5_gsm8k"
+  c.task.name = "jsonl"
+  c.task.kwargs = ml_collections.ConfigDict({"path": "", "prompt_field": "question", "answer_field": "answer",
+                                             "verifier": "math"})
+  c.task.use_chat_template = True
+  c.task.eval_size = 64
+  c.model.param_dtype = "bfloat16"
+  c.model.dtype = "bfloat16"
+  c.model.max_position_embeddings = 1024
+  c.sft.steps = 0
+  c.rl.steps = 200
+  c.rl.prompts_per_step = 8
+  c.rl.samples_per_prompt = 8
+  c.rl.max_new_tokens = 256
+  c.objective.recipe = "grpo"
+  c.objective.kl_coef = 0.001
+  c.optimizer.lr = 1e-6
+  c.optimizer.warmup_steps = 10
+  c.eval.every = 50
+  return c

@@ -1,0 +1,109 @@
+"""Argument checks shared by the advantage modules.
+
+Every public function of :mod:`jaxrl_llm.advantages` validates shapes and
+hyper-parameters first, with an error that names the offending array or
+argument. The checks run in Python on static shapes, so they cost nothing
+under ``jit``; hyper-parameters that arrive as tracers are not range-checked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+def check_rank(who: str, name: str, x: Any, rank: int, dims: str) -> None:
+  """Raises unless ``x`` has ``rank`` dimensions (``dims`` spells them, e.g. "[B, T]")."""
+  if np.ndim(x) != rank:
+    raise ValueError(f"{who}: {name} must be {dims} (rank {rank}); got shape {shape_of(x)}")
+
+
+def check_same_shape(who: str, **arrays: Any) -> None:
+  """Raises unless all non-None arrays have the shape of the first one."""
+  items = [(n, a) for n, a in arrays.items() if a is not None]
+  first_name, first = items[0]
+  for name, a in items[1:]:
+    if shape_of(a) != shape_of(first):
+      raise ValueError(
+          f"{who}: {name} has shape {shape_of(a)} but {first_name} has shape "
+          f"{shape_of(first)}; they must be equal")
+
+
+def check_bt(who: str, **arrays: Any) -> tuple[int, int]:
+  """Checks that all non-None arrays are [B, T] with one shape; returns (B, T)."""
+  for name, a in arrays.items():
+    if a is not None:
+      check_rank(who, name, a, 2, "[B, T]")
+  check_same_shape(who, **arrays)
+  first = next(a for a in arrays.values() if a is not None)
+  return shape_of(first)  # type: ignore[return-value]
+
+
+def check_b(who: str, name: str, x: Any, batch: int, batch_from: str) -> None:
+  """Checks that ``x`` is a [B] vector whose length matches ``batch_from``'s B."""
+  check_rank(who, name, x, 1, "[B]")
+  if shape_of(x)[0] != batch:
+    raise ValueError(
+        f"{who}: {name} has {shape_of(x)[0]} rows but {batch_from} has {batch}; "
+        "they must describe the same sequences")
+
+
+def check_positive_int(who: str, name: str, value: Any) -> int:
+  """Validates that ``value`` is a positive (static) int."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{who}: {name} must be a Python int; got {value!r}")
+  if value <= 0:
+    raise ValueError(f"{who}: {name} must be positive; got {value}")
+  return int(value)
+
+
+def check_group_size(who: str, batch: int, group_size: Any) -> int:
+  """Validates that ``group_size`` is a positive int dividing the batch size."""
+  check_positive_int(who, "group_size", group_size)
+  if batch % group_size:
+    raise ValueError(
+        f"{who}: batch of {batch} rows is not a whole number of groups of "
+        f"group_size={group_size}; the samples of a prompt must be contiguous")
+  return int(group_size)
+
+
+def is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_in_unit_interval(who: str, name: str, value: Any) -> None:
+  """Raises unless a concrete ``value`` lies in [0, 1] (tracers pass unchecked)."""
+  if not is_concrete(value):
+    return
+  v = float(np.asarray(value))
+  if math.isnan(v) or not 0.0 <= v <= 1.0:
+    raise ValueError(f"{who}: {name} must lie in [0, 1]; got {v}")
+
+
+def check_positive(who: str, name: str, value: Any, allow_zero: bool = False) -> None:
+  """Raises unless a concrete ``value`` is > 0 (or >= 0 with ``allow_zero``)."""
+  if not is_concrete(value):
+    return
+  v = float(np.asarray(value))
+  ok = v >= 0.0 if allow_zero else v > 0.0
+  if math.isnan(v) or math.isinf(v) or not ok:
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{who}: {name} must be finite and {bound}; got {v}")
+
+
+def check_choice(who: str, name: str, value: Any, choices: tuple[str, ...]) -> str:
+  if value not in choices:
+    raise ValueError(f"{who}: unknown {name} {value!r}; expected one of {', '.join(choices)}")
+  return value
+
+
+def optional_valid(valid_b: Optional[Any], who: str, batch: int, batch_from: str) -> None:
+  if valid_b is not None:
+    check_b(who, "valid_b", valid_b, batch, batch_from)

@@ -1,0 +1,210 @@
+"""Prompts from a JSONL file (GSM8K-style ``{"question": ..., "answer": ...}`` rows).
+
+Rows are read and validated once at construction; a bad row is an error that names the
+file, the 1-based line number and the problem (invalid JSON, not an object, missing or
+non-text field, no extractable final answer). Blank lines are skipped; a file with no
+rows is an error.
+
+Held-out split: by the salted hash of the whitespace-normalised prompt field (so
+duplicate questions fall on the same side), or, with ``eval_path``, the rows of that
+file are the evaluation set and training rows whose prompt appears in it are dropped.
+
+Training order: epoch ``e`` visits the training rows in the order of
+``blake2b(seed, e, row index)``, so position ``i`` maps to a row in O(1) once the
+epoch's order is computed (cached), and resumption needs only ``(seed, position)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, ClassVar, Mapping, Optional
+
+from jaxrl_llm.tasks import base
+from jaxrl_llm.tasks import math_verify
+
+VERIFIERS = ("math", "exact")
+
+
+def _order(n: int, *key: Any) -> list[int]:
+  """A permutation of ``range(n)`` keyed by ``key`` (sort by salted blake2b)."""
+  prefix = repr(key).encode("utf-8")
+
+  def rank(i: int) -> bytes:
+    return hashlib.blake2b(prefix + i.to_bytes(8, "little"), digest_size=8).digest()
+
+  return sorted(range(n), key=rank)
+
+
+def _key(prompt: str) -> str:
+  return " ".join(prompt.split())
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlTask(base.Task):
+  """A prompt dataset in JSONL with a verifiable answer field.
+
+  Attributes:
+    path: the JSONL file.
+    prompt_field: field holding the prompt (``"question"`` for GSM8K).
+    answer_field: field holding the reference (``"answer"``: worked solution ending in
+      ``#### N``); numbers are accepted and converted to text.
+    prompt_template: format string with ``{prompt}``, e.g. ``"Q: {prompt}\\nA:"``.
+    verifier: ``"math"`` (final-answer extraction and numeric comparison, see
+      ``math_verify``) or ``"exact"`` (response and answer equal after stripping
+      surrounding whitespace).
+    eval_fraction: share of distinct prompts held out (ignored with ``eval_path``).
+    eval_path: optional JSONL file with the same fields used as the held-out set.
+    split_salt: salt of the held-out hash.
+    rel_tol: relative tolerance of the math verifier.
+    percent: percent mode of the math verifier (``"strip"`` or ``"either"``).
+  """
+
+  name: ClassVar[str] = "jsonl"
+
+  path: str = ""
+  prompt_field: str = "question"
+  answer_field: str = "answer"
+  prompt_template: str = "{prompt}"
+  verifier: str = "math"
+  eval_fraction: float = 0.05
+  eval_path: Optional[str] = None
+  split_salt: str = base.DEFAULT_SPLIT_SALT
+  rel_tol: float = 1e-6
+  percent: str = "strip"
+
+  _train: tuple[base.Example, ...] = dataclasses.field(init=False, repr=False, compare=False)
+  _eval: tuple[base.Example, ...] = dataclasses.field(init=False, repr=False, compare=False)
+  _eval_keys: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
+  _orders: dict = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    if not self.path:
+      raise ValueError("jsonl.path is required (a JSONL file of prompts)")
+    if self.verifier not in VERIFIERS:
+      raise ValueError(f"jsonl.verifier must be one of {VERIFIERS}, got {self.verifier!r}")
+    if self.percent not in math_verify.PERCENT_MODES:
+      raise ValueError(
+          f"jsonl.percent must be one of {math_verify.PERCENT_MODES}, got {self.percent!r}")
+    try:
+      self.prompt_template.format(prompt="")
+    except (KeyError, IndexError, ValueError) as e:
+      raise ValueError(
+          f"jsonl.prompt_template must be a format string whose only field is {{prompt}},"
+          f" got {self.prompt_template!r} ({e!r})") from None
+    if "{prompt}" not in self.prompt_template:
+      raise ValueError(
+          f"jsonl.prompt_template must contain {{prompt}}, got {self.prompt_template!r}")
+    self._check_split_fields()
+    rows = self._load(self.path)
+    if self.eval_path is not None:
+      eval_rows = self._load(self.eval_path)
+      eval_keys = frozenset(k for k, _ in eval_rows)
+      train = tuple(ex for k, ex in rows if k not in eval_keys)
+      held_out = tuple(ex for _, ex in eval_rows)
+    else:
+      eval_keys = frozenset(
+          k for k, _ in rows if base.split_fraction(k, self.split_salt) < self.eval_fraction)
+      train = tuple(ex for k, ex in rows if k not in eval_keys)
+      held_out = tuple(ex for k, ex in rows if k in eval_keys)
+    if not train:
+      raise ValueError(f"{self.path}: no training rows left after the held-out split")
+    object.__setattr__(self, "_train", train)
+    object.__setattr__(self, "_eval", held_out)
+    object.__setattr__(self, "_eval_keys", eval_keys)
+    object.__setattr__(self, "_orders", {})
+
+  def _load(self, path: str) -> list[tuple[str, base.Example]]:
+    rows: list[tuple[str, base.Example]] = []
+    with open(path, encoding="utf-8") as f:
+      for lineno, line in enumerate(f, start=1):
+        if not line.strip():
+          continue
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+          raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(self._row_to_example(row, path, lineno))
+    if not rows:
+      raise ValueError(f"{path}: the file has no rows (empty JSONL file)")
+    return rows
+
+  def _row_to_example(self, row: Mapping[str, Any], path: str,
+                      lineno: int) -> tuple[str, base.Example]:
+    for field in (self.prompt_field, self.answer_field):
+      if field not in row:
+        raise ValueError(
+            f"{path}:{lineno}: row is missing field {field!r} (fields present:"
+            f" {sorted(row)})")
+    prompt, answer = row[self.prompt_field], row[self.answer_field]
+    if not isinstance(prompt, str) or not prompt.strip():
+      raise ValueError(f"{path}:{lineno}: field {self.prompt_field!r} must be a non-empty string,"
+                       f" got {prompt!r}")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+      answer = str(answer)
+    if not isinstance(answer, str):
+      raise ValueError(f"{path}:{lineno}: field {self.answer_field!r} must be a string or a"
+                       f" number, got {type(answer).__name__}")
+    gold = answer.strip()
+    if self.verifier == "math":
+      gold = math_verify.extract_answer(answer)
+      if gold is None:
+        raise ValueError(
+            f"{path}:{lineno}: cannot extract a final answer from field {self.answer_field!r}"
+            f" (expected '#### N', \\boxed{{...}} or a number): {answer[-80:]!r}")
+    example = base.Example(
+        prompt=self.prompt_template.format(prompt=prompt), answer=answer,
+        meta={"source": path, "line": lineno, "gold": gold, "split_key": _key(prompt)})
+    return _key(prompt), example
+
+  @property
+  def alphabet(self) -> str:
+    texts = [ex.prompt for ex in self._train + self._eval]
+    texts += [ex.answer for ex in self._train + self._eval]
+    return base.alphabet_of(texts)
+
+  @property
+  def num_train(self) -> int:
+    return len(self._train)
+
+  @property
+  def num_eval(self) -> int:
+    return len(self._eval)
+
+  def split_key(self, example: base.Example) -> str:
+    """The whitespace-normalised prompt field (before the template)."""
+    return example.meta.get("split_key", _key(example.prompt))
+
+  def is_eval(self, example: base.Example) -> bool:
+    return self.split_key(example) in self._eval_keys
+
+  def train_example(self, seed: int, position: int) -> base.Example:
+    epoch, offset = divmod(position, len(self._train))
+    order = self._orders.get((seed, epoch))
+    if order is None:
+      if len(self._orders) > 4:
+        self._orders.clear()
+      order = self._orders[(seed, epoch)] = _order(len(self._train), "train", seed, epoch)
+    return self._train[order[offset]]
+
+  def eval_prompts(self, n: int, seed: int = 0) -> list[base.Example]:
+    if not 0 <= n <= len(self._eval):
+      raise ValueError(f"{self.path}: asked for {n} held-out prompts, the split has"
+                       f" {len(self._eval)} (eval_fraction={self.eval_fraction},"
+                       f" eval_path={self.eval_path})")
+    return [self._eval[i] for i in _order(len(self._eval), "eval", seed)[:n]]
+
+  def sft_target(self, example: base.Example) -> str:
+    return example.answer
+
+  def reward(self, example: base.Example, response: str) -> float:
+    gold = example.meta.get("gold")
+    if self.verifier == "exact":
+      return float(response.strip() == (gold if gold is not None else example.answer.strip()))
+    if gold is None:
+      gold = math_verify.extract_answer(example.answer)
+    pred = math_verify.extract_answer(response)
+    return float(math_verify.answers_match(pred, gold, rel_tol=self.rel_tol, percent=self.percent))

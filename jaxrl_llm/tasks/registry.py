@@ -1,0 +1,60 @@
+"""Task registry: ``get_task("addition", max_digits=3)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jaxrl_llm.tasks import base
+from jaxrl_llm.tasks.addition import AdditionTask
+from jaxrl_llm.tasks.countdown import CountdownTask
+from jaxrl_llm.tasks.jsonl import JsonlTask
+from jaxrl_llm.tasks.sorting import SortingTask
+
+DEFAULT_TASK = "addition"
+
+_REGISTRY: dict[str, Callable[..., base.Task]] = {
+    "addition": AdditionTask,
+    "sorting": SortingTask,
+    "countdown": CountdownTask,
+    "jsonl": JsonlTask,
+}
+
+
+def list_tasks() -> list[str]:
+  """Names of the registered tasks, sorted."""
+  return sorted(_REGISTRY)
+
+
+def register_task(name: str, factory: Callable[..., base.Task], *, overwrite: bool = False) -> None:
+  """Adds a task factory (usually a ``Task`` dataclass) under ``name``."""
+  if not name or not isinstance(name, str):
+    raise ValueError(f"task name must be a non-empty str, got {name!r}")
+  if name in _REGISTRY and not overwrite:
+    raise ValueError(f"task {name!r} is already registered; pass overwrite=True to replace it")
+  _REGISTRY[name] = factory
+
+
+def get_task(name: str, **kwargs: Any) -> base.Task:
+  """Builds a registered task.
+
+  Args:
+    name: one of ``list_tasks()``.
+    **kwargs: the task's fields (e.g. ``max_digits=3`` for addition).
+
+  Returns:
+    The task.
+
+  Raises:
+    ValueError: for an unknown name (listing the known ones) or an unknown field
+      (listing the accepted ones).
+  """
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}")
+  factory = _REGISTRY[name]
+  if dataclasses.is_dataclass(factory):
+    fields = [f.name for f in dataclasses.fields(factory) if f.init]
+    unknown = sorted(set(kwargs) - set(fields))
+    if unknown:
+      raise ValueError(f"task {name!r} has no field(s) {unknown}; accepted fields: {fields}")
+  return factory(**kwargs)
