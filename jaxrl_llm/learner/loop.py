@@ -102,7 +102,7 @@ class Run:
     self.progress = Progress()
     self._restore()
     self.sampler = JaxSampler(self.model_config, self._state.train.params, self.sampler_config)
-    self.sampler.update_weights(self._state.train.params, int(self._state.train.policy_version))
+    self.publish()
     self._sft_step = sft.make_sft_step(self.model_config, self.sft_optimizer, config.learner.micro_batches)
     self._rl_steps: dict[bool, Any] = {}
     self._ref_logp = jax.jit(lambda p, t, m: models.sequence_logprobs(p, self.model_config, t, m,
@@ -143,6 +143,12 @@ class Run:
   def params(self) -> Any:
     return self._state.train.params
 
+  def publish(self) -> None:
+    """Sends the current policy weights to the sampler if it has an older version."""
+    version = int(self._state.train.policy_version)
+    if self.sampler.policy_version != version:
+      self.sampler.update_weights(self._state.train.params, version)
+
   # ------------------------------------------------------------------ data
 
   def encode_prompt(self, text: str) -> list[int]:
@@ -158,6 +164,7 @@ class Run:
   def evaluate(self, pass_k: Optional[int] = None) -> dict[str, float]:
     """Greedy accuracy and pass@k on the held-out set."""
     pass_k = pass_k or self.config.eval.pass_k
+    self.publish()
     examples = list(self.eval_set.examples)
     prompts = [self.encode_prompt(e.prompt) for e in examples]
     rng = jax.random.fold_in(jax.random.PRNGKey(self.config.seed + 1), self.progress.sft_step + self.progress.rl_step)
@@ -288,7 +295,7 @@ class Run:
         train, obj_state, m = step_fn(self._state.train, self._state.objective, batch)
         self._state = self._state.replace(train=train, objective=obj_state)
         self._track_nonfinite(m) if train_actor else None
-      self.sampler.update_weights(self._state.train.params, int(self._state.train.policy_version))
+      self.publish()
       t2 = time.perf_counter()
       self.progress.rl_step += 1
       self.progress.prompt_stream = source.get_state()
