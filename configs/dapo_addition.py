@@ -3,14 +3,11 @@
 Reference: Yu et al., DAPO, arXiv:2503.14476.
 """
 
-from jaxrl_llm.configuration import base_config
+from configs.addition_base import addition_config
 
 
 def get_config():
-  c = base_config()
-  c.name = "dapo_addition"
-  c.sft.steps = 150
-  c.rl.steps = 200
+  c = addition_config("dapo_addition")
   c.objective.recipe = "dapo"
   c.objective.eps_low = 0.2
   c.objective.eps_high = 0.28

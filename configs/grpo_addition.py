@@ -2,17 +2,16 @@
 
   jaxrl-train                       # this config
   jaxrl-train --config.rl.steps=50  # shorter
+
+Task, warm-start and batch settings are shared with the other addition configs
+(configs/addition_base.py).
 """
 
-from jaxrl_llm.configuration import base_config
+from configs.addition_base import addition_config
 
 
 def get_config():
-  c = base_config()
-  c.name = "grpo_addition"
-  c.task.name = "addition"
-  c.sft.steps = 150
-  c.rl.steps = 200
+  c = addition_config("grpo_addition")
   c.objective.recipe = "grpo"
   c.advantage.estimator = "grpo"
   return c

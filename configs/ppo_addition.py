@@ -1,18 +1,14 @@
 """PPO with a critic and GAE on addition: SFT warm start, critic warm-up (actor frozen), then PPO.
 
-The critic is a separate decoder with a value head, initialised from the
-warm-start policy's architecture (or from a reward model via
-``--config.critic.init_from=<HF folder>``).
+The critic is a separate decoder with a value head (random init, or a reward
+model via ``--config.critic.init_from=<HF folder>``).
 """
 
-from jaxrl_llm.configuration import base_config
+from configs.addition_base import addition_config
 
 
 def get_config():
-  c = base_config()
-  c.name = "ppo_addition"
-  c.sft.steps = 150
-  c.rl.steps = 200
+  c = addition_config("ppo_addition")
   c.objective.recipe = "ppo"
   c.advantage.estimator = "gae"
   c.advantage.gamma = 1.0
