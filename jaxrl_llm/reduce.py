@@ -46,9 +46,19 @@ def _next_pow2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+@jax.custom_jvp
 def _canonical_zero(x: jax.Array) -> jax.Array:
-  """Maps -0.0 to +0.0 so that an all-zero subtree has one bit pattern."""
+  """Maps -0.0 to +0.0 so that an all-zero subtree has one bit pattern.
+
+  Its derivative is the identity (a plain ``where`` would have zero gradient
+  wherever a sum is exactly 0, e.g. an on-policy batch whose advantages cancel).
+  """
   return jnp.where(x == 0, jnp.zeros_like(x), x)
+
+
+@_canonical_zero.defjvp
+def _canonical_zero_jvp(primals, tangents):
+  return _canonical_zero(primals[0]), tangents[0]
 
 
 def _pairwise_leading(x: jax.Array) -> jax.Array:

@@ -157,3 +157,9 @@ def test_property_padding_and_masking(b, t, pad_rows, pad_t, seed):
     assert np.isfinite(np.asarray(a))
     np.testing.assert_array_equal(bits(a), bits(c))
   np.testing.assert_allclose(float(base[0]), float(np.sum(np.where(m, v, 0), dtype=np.float64)), rtol=1e-4, atol=1e-4)
+
+
+def test_gradient_flows_through_an_exactly_zero_sum():
+  # On-policy GRPO: advantages that cancel give a loss of exactly 0, but not a zero gradient.
+  g = jax.grad(lambda x: R.token_sum(x * jnp.array([[1.0, -1.0]]), jnp.ones((1, 2), bool)))(jnp.array([[2.0, 2.0]]))
+  np.testing.assert_array_equal(g, [[1.0, -1.0]])

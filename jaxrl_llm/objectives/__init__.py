@@ -1,0 +1,51 @@
+"""Composable RL objectives for language models, in the shape of optax.
+
+An objective is an :class:`ObjectiveTransform` ``(init, update)``; transforms
+read and extend a per-token :class:`TokenRecord` and compose with
+:func:`chain`; the last one, :func:`aggregate`, turns the per-token surrogate
+into per-example loss partials. :func:`objective_loss` is the pure function the
+learner differentiates. Named algorithms are chains in :mod:`.recipes`
+(``recipes.grpo()``, ``recipes.dapo()``, ... or ``recipe("dapo")``).
+
+Example::
+
+  from jaxrl_llm import objectives as O
+  objective = O.chain(O.truncated_is(cap=2.0), O.ppo_clip(eps_low=0.2, eps_high=0.28),
+                      O.kl_loss(0.01), O.aggregate("token_mean"))
+  state = objective.init(None)
+  loss, (metrics, state) = O.objective_loss(
+      objective, logp_bt, mask_bt=mask_bt, advantages_bt=adv_bt,
+      behaviour_logp_bt=mu_bt, ref_logp_bt=ref_bt, state=state)
+
+Every cross-example reduction goes through :mod:`jaxrl_llm.reduce`: loss and
+metrics have the same bits for any micro-batching, padding or power-of-two
+data-parallel layout. See docs/objectives.md.
+"""
+
+from jaxrl_llm.objectives import recipes
+from jaxrl_llm.objectives.aggregation import AGGREGATIONS, aggregate, aggregation_partials
+from jaxrl_llm.objectives.base import (CountState, EmptyState, ObjectiveTransform, chain,
+                                       scheduled, stateless)
+from jaxrl_llm.objectives.importance import (LEVELS, masked_is, segment_is, segment_sums,
+                                             staleness_filter, truncated_is)
+from jaxrl_llm.objectives.loss import (Partials, batch_fields, concat_partials, finalize,
+                                       loss_normaliser, micro_batch_loss, objective_loss,
+                                       per_example_partials)
+from jaxrl_llm.objectives.policy import (cispo, clipped_objective, decoupled, dual_clip,
+                                         geppo_adaptive, gspo, ppo_clip)
+from jaxrl_llm.objectives.recipes import RECIPES, recipe
+from jaxrl_llm.objectives.record import TokenRecord, make_record
+from jaxrl_llm.objectives.regularizers import (KL_ESTIMATORS, critic_warmup, entropy_bonus,
+                                               kl_estimate, kl_loss, sft_loss, value_loss)
+from jaxrl_llm.objectives.stats import DEFAULT_QUANTILES, masked_quantiles
+
+__all__ = [
+    "AGGREGATIONS", "CountState", "DEFAULT_QUANTILES", "EmptyState", "KL_ESTIMATORS", "LEVELS",
+    "ObjectiveTransform", "Partials", "RECIPES", "TokenRecord", "aggregate",
+    "aggregation_partials", "batch_fields", "chain", "cispo", "clipped_objective",
+    "concat_partials", "critic_warmup", "decoupled", "dual_clip", "entropy_bonus", "finalize",
+    "geppo_adaptive", "gspo", "kl_estimate", "kl_loss", "loss_normaliser", "make_record",
+    "masked_is", "masked_quantiles", "micro_batch_loss", "objective_loss",
+    "per_example_partials", "ppo_clip", "recipe", "recipes", "scheduled", "segment_is",
+    "segment_sums", "sft_loss", "staleness_filter", "stateless", "truncated_is", "value_loss",
+]
