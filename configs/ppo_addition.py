@@ -17,4 +17,5 @@ def get_config():
   c.critic.enabled = True
   c.critic.lr = 1e-3
   c.critic.warmup_steps = 10
+  c.rl.filter_zero_variance = False  # a GAE batch has no groups to filter
   return c

@@ -6,9 +6,16 @@
 
 The checkpoint folder holds config.json, safetensors and tokenizer files; prompts
 are wrapped in its chat template, and answers are checked by the math verifier.
-On the CPU the built-in JAX sampler generates; on GPUs the vLLM sampler
-(``sampler.kind='vllm'``) is the intended choice once available.
+Samplers: when an NVIDIA GPU is visible and vLLM is installed (the ``[vllm]``
+extra), generation runs in vLLM engines inside Ray sampler actors
+(``sampler.kind='vllm'``, ``rollout.mode='pipeline'``, staleness bound
+``rollout.max_lag``); otherwise the built-in JAX sampler generates in the
+learner's process. Either choice can be forced with ``--config.sampler.kind``
+and ``--config.rollout.mode``.
 """
+
+import importlib.util
+import os
 
 import ml_collections
 
@@ -36,4 +43,14 @@ def get_config():
   c.optimizer.lr = 1e-6
   c.optimizer.warmup_steps = 10
   c.eval.every = 50
+  if vllm_usable():
+    c.sampler.kind = "vllm"
+    c.rollout.mode = "pipeline"
+    c.rollout.num_samplers = 1
+    c.rollout.max_lag = 1
   return c
+
+
+def vllm_usable() -> bool:
+  """An NVIDIA device node exists and the vllm package is importable."""
+  return os.path.exists("/dev/nvidia0") and importlib.util.find_spec("vllm") is not None

@@ -116,6 +116,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler = ml_collections.ConfigDict()
   c.sampler.kind = "jax"
 
+  # Where samples come from: "sync" samples in the learner's process between
+  # updates; "pipeline" runs rollout.num_samplers Ray actors ahead of the
+  # learner, at most rollout.max_lag policy versions behind (PipelineRL).
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.mode = "sync"
+  c.rollout.num_samplers = 2
+  c.rollout.max_lag = 4
+  c.rollout.chunks_per_step = 0  # work items per step; 0: one per sampler
+  c.rollout.segment_tokens = 0  # >0: weights may change every this many tokens of a response
+  c.rollout.address = ""  # Ray cluster address; empty: a local cluster on 127.0.0.1
+  c.rollout.actor_cpus = 1.0
+
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 20
   c.eval.pass_k = 4
@@ -220,6 +232,10 @@ def rules() -> list[Rule]:
       _bool("critic.enabled"), _pos("critic.lr"), _nonneg_int("critic.warmup_steps"),
       _pos_int("learner.micro_batches"), _pos_int("learner.max_nonfinite_in_a_row"),
       _one_of("sampler.kind", SAMPLER_KINDS),
+      _one_of("rollout.mode", ("sync", "pipeline")), _pos_int("rollout.num_samplers"),
+      _nonneg_int("rollout.max_lag"), _nonneg_int("rollout.chunks_per_step"), _nonneg_int("rollout.segment_tokens"),
+      Rule("rollout.address", lambda v: isinstance(v, str), "a Ray address string (empty: local cluster)"),
+      _pos("rollout.actor_cpus"),
       _pos_int("eval.every"), _pos_int("eval.pass_k"),
       _pos_int("checkpoint.every"), _pos_int("checkpoint.keep"), _bool("checkpoint.resume"),
       _bool("log.progress"), _bool("log.tensorboard"), _pos_int("log.every"), _bool("export.hf"),
@@ -262,12 +278,21 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                     f"rl.prompts_per_step*rl.samples_per_prompt={batch}")
     if config.advantage.estimator == "gae" and not config.critic.enabled:
       errors.append("advantage.estimator='gae': expected critic.enabled=True (GAE needs value estimates)")
+    if config.rl.filter_zero_variance and config.advantage.estimator == "gae":
+      errors.append("rl.filter_zero_variance=True with advantage.estimator='gae': expected False "
+                    "(zero-variance groups are a group-relative notion)")
     if config.critic.enabled and config.advantage.estimator != "gae":
       errors.append(f"critic.enabled=True with advantage.estimator={config.advantage.estimator!r}: "
                     "expected 'gae' (the critic is only used by GAE)")
     if config.rl.max_new_tokens >= config.model.max_position_embeddings:
       errors.append(f"rl.max_new_tokens={config.rl.max_new_tokens}: expected < "
                     f"model.max_position_embeddings={config.model.max_position_embeddings}")
+    if config.sampler.kind == "vllm" and config.rollout.mode != "pipeline":
+      errors.append("sampler.kind='vllm' with rollout.mode='sync': expected rollout.mode='pipeline' "
+                    "(vLLM engines run in Ray sampler actors)")
+    if config.rollout.mode == "pipeline" and config.rl.updates_per_batch != 1:
+      errors.append(f"rl.updates_per_batch={config.rl.updates_per_batch} with rollout.mode='pipeline': expected 1 "
+                    "(the staleness bound counts one policy version per step)")
     if config.model.hidden_size % config.model.num_heads:
       errors.append(f"model.num_heads={config.model.num_heads}: expected a divisor of "
                     f"model.hidden_size={config.model.hidden_size}")

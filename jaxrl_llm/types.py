@@ -51,6 +51,37 @@ class Trajectory:
   def batch_size(self) -> int:
     return int(self.tokens_bt.shape[0])
 
+  def trimmed(self, multiple: int = 8) -> "Trajectory":
+    """Drops trailing columns that are padding in every row (host-side, numpy).
+
+    Samplers lay rows out as ``[prompt bucket | max_new_tokens]``; when prompts
+    are short or responses stop early most trailing columns hold no real token,
+    and the learner would spend its forward and backward passes on them (the
+    default addition job: 24 columns, at most 15 used). The width kept is the
+    last used column rounded up to a multiple of ``multiple``, so the learner
+    compiles for a handful of widths only. Causal attention makes the result
+    the same maths for every real token.
+
+    Args:
+      multiple: the kept width is a multiple of this (>= 1).
+
+    Returns:
+      A Trajectory whose [B, T] fields have ``T' <= T`` columns.
+    """
+    if multiple < 1:
+      raise ValueError(f"Trajectory.trimmed: multiple={multiple!r}: expected >= 1")
+    used = np.asarray(self.prompt_mask_bt) | np.asarray(self.response_mask_bt)
+    columns = np.flatnonzero(used.any(axis=0))
+    last = int(columns[-1]) + 1 if columns.size else 1
+    width = min(int(used.shape[1]), -(-last // multiple) * multiple)
+    if width == used.shape[1]:
+      return self
+    cut = lambda a: np.asarray(a)[:, :width]
+    return self.replace(tokens_bt=cut(self.tokens_bt), prompt_mask_bt=cut(self.prompt_mask_bt),
+                        response_mask_bt=cut(self.response_mask_bt),
+                        behaviour_logp_bt=cut(self.behaviour_logp_bt),
+                        policy_version_bt=cut(self.policy_version_bt))
+
 
 @struct.dataclass
 class Batch:

@@ -165,3 +165,20 @@ def test_greedy_matches_transformers_generate():
       expected = expected[:expected.index(1) + 1]
     assert response == expected
   assert len(set(out.response_tokens[0])) > 2  # not a degenerate repetition
+
+
+def test_trimmed_trajectory_drops_only_padding_columns(result):
+  traj = result.trajectory  # 16-token prompt bucket + 12 new tokens = 28 columns
+  used = traj.prompt_mask_bt | traj.response_mask_bt
+  last = int(np.flatnonzero(used.any(0))[-1]) + 1
+  trimmed = traj.trimmed(multiple=8)
+  width = trimmed.tokens_bt.shape[1]
+  assert width % 8 == 0 and last <= width < last + 8 and width < traj.tokens_bt.shape[1]
+  for name in ("tokens_bt", "prompt_mask_bt", "response_mask_bt", "behaviour_logp_bt", "policy_version_bt"):
+    full, cut = getattr(traj, name), getattr(trimmed, name)
+    np.testing.assert_array_equal(cut, full[:, :width], err_msg=name)
+  assert not traj.response_mask_bt[:, width:].any() and not traj.prompt_mask_bt[:, width:].any()
+  np.testing.assert_array_equal(trimmed.finished_b, traj.finished_b)
+  assert traj.trimmed(multiple=1000) is traj  # rounding past the full width keeps it
+  with pytest.raises(ValueError, match="multiple=0"):
+    traj.trimmed(multiple=0)

@@ -225,19 +225,32 @@ class Run:
       self._rl_steps[train_actor] = rl_step.make_rl_step(spec, self.objective, self.optimizer, self.critic_optimizer)
     return self._rl_steps[train_actor]
 
+  def sampling_key(self, rl_step_index: int) -> jax.Array:
+    """The sampling key of RL step ``i``: a function of (seed, i) only, so a resumed
+    run, and the pipeline with k = 0, sample what the uninterrupted synchronous run would."""
+    return jax.random.fold_in(jax.random.PRNGKey(self.config.seed), rl_step_index)
+
   def collect(self, prompt_source: PromptSource) -> tuple[rl_step.RLBatch, dict]:
-    """Samples, scores and turns one batch of prompts into an RLBatch."""
-    c = self.config
-    n = c.rl.samples_per_prompt
+    """Samples (in this process), scores and turns one batch of prompts into an RLBatch."""
     pb = prompt_source.next_batch()
     t0 = time.perf_counter()
-    # The sampling key is a function of (seed, step) only, so a resumed run samples what
-    # the uninterrupted run would have.
-    rng = jax.random.fold_in(jax.random.PRNGKey(c.seed), self.progress.rl_step)
-    result = self.sampler.generate([self.encode_prompt(e.prompt) for e in pb.examples], rng=rng)
-    t_sample = time.perf_counter() - t0
-    traj = result.trajectory
-    pairs = [(pb.examples[i // n], self.decode_response(r)) for i, r in enumerate(result.response_tokens)]
+    result = self.sampler.generate([self.encode_prompt(e.prompt) for e in pb.examples],
+                                   rng=self.sampling_key(self.progress.rl_step))
+    return self.build_batch(pb.examples, result.trajectory, result.response_tokens, time.perf_counter() - t0)
+
+  def build_batch(self, examples, trajectory, response_tokens, t_sample: float) -> tuple[rl_step.RLBatch, dict]:
+    """Scores sampled responses and builds the RLBatch (advantages, reference, lags).
+
+    Args:
+      examples: the G prompts' task examples.
+      trajectory: the B = G * n sampled rows (numpy Trajectory).
+      response_tokens: per row, the sampled ids.
+      t_sample: seconds spent sampling (for the metrics).
+    """
+    c = self.config
+    n = c.rl.samples_per_prompt
+    traj = trajectory.trimmed(multiple=8)
+    pairs = [(examples[i // n], self.decode_response(r)) for i, r in enumerate(response_tokens)]
     rewards = np.asarray(self.rewarder.score(pairs), np.float32)
     if c.advantage.reward_clip:
       rewards = np.clip(rewards, -c.advantage.reward_clip, c.advantage.reward_clip)
@@ -262,12 +275,22 @@ class Run:
     if c.advantage.normalization != "none":
       norm = A.make_advantage_normalizer(c.advantage.normalization, group_size=n)
       adv = norm(adv, response)
+    if c.rl.filter_zero_variance and c.advantage.estimator != "gae":
+      rows = rl_step.informative_rows(np.asarray(out.zero_variance_b), n, self._row_granule())
+      tokens, seq, response, behaviour, adv, zeros = (jnp.asarray(a)[rows] for a in
+                                                      (tokens, seq, response, behaviour, adv, zeros))
+      old_values, returns = zeros, zeros
+      traj = traj.replace(policy_version_bt=np.asarray(traj.policy_version_bt)[rows])
+      metrics["data/rows_trained"] = float(len(rows))
     ref = self._ref_logp(self._state.ref_params, tokens, seq) if self.uses_ref else zeros
     version = int(self._state.train.policy_version)
     lag = jnp.where(response, version - jnp.asarray(traj.policy_version_bt), 0)
     batch = rl_step.RLBatch(tokens_bt=tokens, seq_mask_bt=seq, response_mask_bt=response,
                             behaviour_logp_bt=behaviour, advantages_bt=adv, ref_logp_bt=ref, lag_bt=lag,
                             old_values_bt=old_values, returns_bt=returns)
+    lag_np = np.asarray(lag)[np.asarray(response)]
+    metrics["data/lag_max"] = float(lag_np.max()) if lag_np.size else 0.0
+    metrics["data/lag_mean"] = float(lag_np.mean()) if lag_np.size else 0.0
     gen_tokens = int(np.asarray(traj.response_mask_bt).sum())
     lengths = np.asarray(traj.response_mask_bt).sum(1)
     metrics.update({
@@ -280,14 +303,31 @@ class Run:
     metrics.update(self.rewarder.metrics)
     return batch, metrics
 
+  def _row_granule(self) -> int:
+    """Smallest learner batch: a multiple of the group size, micro-batches and data-parallel size."""
+    c = self.config
+    data = int(np.prod([self.mesh.shape[a] for a in self.mesh.axis_names if a in ("data", "fsdp")]))
+    return int(np.lcm.reduce([c.rl.samples_per_prompt, c.learner.micro_batches, data]))
+
   def run_rl(self, metrics_writer: writers.MetricsWriter) -> None:
     c = self.config
     source = PromptSource(self.task, c.rl.prompts_per_step, seed=c.seed, samples_per_prompt=c.rl.samples_per_prompt)
     if self.progress.prompt_stream:
       source.set_state(self.progress.prompt_stream)
+    pipeline = Pipeline(self, source) if c.rollout.mode == "pipeline" else None
+    try:
+      self._rl_loop(metrics_writer, source, pipeline)
+    finally:
+      if pipeline is not None:
+        pipeline.close()
+
+  def _rl_loop(self, metrics_writer: writers.MetricsWriter, source: PromptSource, pipeline: Optional["Pipeline"]):
+    c = self.config
     while self.progress.rl_step < c.rl.steps:
       t0 = time.perf_counter()
-      batch, metrics = self.collect(source)
+      batch, metrics = pipeline.collect() if pipeline else self.collect(source)
+      # the learner's idle time: sampling in the synchronous loop, waiting for chunks in the pipeline
+      metrics.setdefault("time/wait_s", metrics["time/sample_s"])
       train_actor = self.progress.rl_step >= c.critic.warmup_steps or not c.critic.enabled
       step_fn = self._rl_step_fn(train_actor)
       t1 = time.perf_counter()
@@ -295,10 +335,15 @@ class Run:
         train, obj_state, m = step_fn(self._state.train, self._state.objective, batch)
         self._state = self._state.replace(train=train, objective=obj_state)
         self._track_nonfinite(m) if train_actor else None
-      self.publish()
+      t_publish = time.perf_counter()
+      if pipeline:
+        pipeline.publish()
+      else:
+        self.publish()
+      metrics["time/publish_s"] = time.perf_counter() - t_publish
       t2 = time.perf_counter()
       self.progress.rl_step += 1
-      self.progress.prompt_stream = source.get_state()
+      self.progress.prompt_stream = pipeline.stream_state() if pipeline else source.get_state()
       metrics.update(m)
       tokens = float(np.asarray(batch.response_mask_bt).sum())
       metrics.update({"time/learn_s": t2 - t1, "time/step_s": t2 - t0,
@@ -369,6 +414,81 @@ class Run:
           f"({seconds:.0f} s).\nOutputs in {self.run_dir}: metrics.jsonl, tensorboard/, curves.png, summary.json"
           + (", hf_export/" if export_dir else ""))
     return summary
+
+
+class Pipeline:
+  """The RL data path of ``rollout.mode="pipeline"``: Ray sampler actors ahead of the learner.
+
+  Wraps a :class:`~jaxrl_llm.rollout.SamplerPool` and a
+  :class:`~jaxrl_llm.rollout.PipelineFeeder` (see there for the staleness
+  rule). Prompts are drawn from the run's prompt stream in step order; the
+  stream state saved with a checkpoint is the one right after the learner's
+  last consumed step, so a resumed run re-samples the steps that were in
+  flight.
+  """
+
+  def __init__(self, run: Run, source: PromptSource):
+    from jaxrl_llm import rollout  # Ray is imported only when the pipeline is used
+
+    c = run.config
+    self.run = run
+    self.source = source
+    self.start_step = run.progress.rl_step
+    self._examples: dict[int, tuple] = {}
+    self._stream_after: dict[int, dict] = {}
+    fingerprint = bridge.make_fingerprint(run.tokenizer, run.model_config)
+    model_path = ""
+    if c.sampler.kind == "vllm":  # vLLM starts from an HF folder of the current weights
+      model_path = str(bridge.export_hf_checkpoint(run.params, run.model_config,
+                                                   os.path.join(run.run_dir, "sampler_init"), tokenizer=run.tokenizer))
+    spec = rollout.SamplerSpec(model_config=run.model_config, sampler_config=run.sampler_config,
+                               fingerprint=fingerprint.to_dict(), kind=c.sampler.kind,
+                               segment_tokens=c.rollout.segment_tokens, model_path=model_path)
+    self.version = int(run._state.train.policy_version)
+    vocab = run.model_config.vocab_size
+    self.pool = rollout.SamplerPool(
+        spec, run.params, self.version, num_samplers=c.rollout.num_samplers, address=c.rollout.address or None,
+        actor_cpus=c.rollout.actor_cpus,
+        validate=lambda chunk: rollout.validate_chunk(chunk, fingerprint=fingerprint, vocab_size=vocab,
+                                                      latest_version=self.pool.published_version))
+    self.feeder = rollout.PipelineFeeder(self.pool, self._step_prompts, num_samples=c.rl.samples_per_prompt,
+                                         max_lag=c.rollout.max_lag, base_version=self.version,
+                                         chunks_per_step=c.rollout.chunks_per_step or c.rollout.num_samplers)
+
+  def _step_prompts(self, s: int):
+    pb = self.source.next_batch()
+    self._examples[s] = pb.examples
+    self._stream_after[s] = self.source.get_state()
+    prompts = [self.run.encode_prompt(e.prompt) for e in pb.examples]
+    return prompts, np.asarray(self.run.sampling_key(self.start_step + s))
+
+  def collect(self) -> tuple[rl_step.RLBatch, dict]:
+    s = self.run.progress.rl_step - self.start_step
+    t0 = time.perf_counter()
+    from jaxrl_llm import rollout
+
+    chunks = self.feeder.take(s)
+    waited = time.perf_counter() - t0
+    traj, responses = rollout.concat_chunks(chunks, self.run.model_config.pad_token_id)
+    batch, metrics = self.run.build_batch(self._examples.pop(s), traj, responses,
+                                          max(ch.sample_seconds for ch in chunks))
+    metrics["time/wait_s"] = waited
+    metrics.update(self.feeder.metrics())
+    metrics["pipeline/sampler_busy_s"] = float(sum(ch.sample_seconds for ch in chunks))
+    return batch, metrics
+
+  def publish(self) -> float:
+    """Publishes the learner's new weights to the actors (and the in-process eval sampler)."""
+    version = int(self.run._state.train.policy_version)
+    seconds = self.pool.publish(self.run.params, version) if version > self.pool.published_version else 0.0
+    self.run.publish()
+    return seconds
+
+  def stream_state(self) -> dict:
+    return self._stream_after.pop(self.run.progress.rl_step - 1 - self.start_step)
+
+  def close(self) -> None:
+    self.pool.shutdown()
 
 
 def _place_on_mesh(tree: Any, mesh) -> Any:

@@ -155,10 +155,14 @@ def map_tokens(fn: Callable[[Any], Any], tree: Any, *, lead: int, invariant: boo
                tile: int = ROW_TILE) -> Any:
   """Applies a token-wise ``fn`` to arrays with ``lead`` leading token dims (e.g. [B, T, ...]).
 
-  Default mode calls ``fn(tree)`` once on the full arrays (fast; XLA chooses
-  kernels by shape). Invariant mode flattens the ``lead`` leading dims into
-  rows, runs ``map_row_tiles`` and restores the leading dims, so every token is
-  computed by the same fixed-shape code.
+  Both modes first flatten the ``lead`` leading dims into one row dim and
+  restore them afterwards. Default mode then calls ``fn`` once on all rows
+  (fast; XLA chooses kernels by shape). Flattening matters for speed: with
+  [B, T, ...] operands XLA:CPU fuses the weight-gradient transposes of the
+  backward pass into strided elementwise loops (measured: 31 % of the kernel
+  time of a learner step; 13 % after flattening, +60 % tokens/s). Invariant
+  mode runs ``map_row_tiles`` over the rows, so every token is computed by the
+  same fixed-shape code.
 
   Args:
     fn: token-wise function accepting any leading shape (written with ``...``).
@@ -170,15 +174,13 @@ def map_tokens(fn: Callable[[Any], Any], tree: Any, *, lead: int, invariant: boo
   Returns:
     ``fn``'s outputs, each with the same ``lead`` leading dims.
   """
-  if not invariant:
-    return fn(tree)
   leaves = jax.tree.leaves(tree)
   lead_shape = tuple(leaves[0].shape[:lead])
   n = 1
   for d in lead_shape:
     n *= int(d)
   flat = jax.tree.map(lambda a: a.reshape((n,) + a.shape[lead:]), tree)
-  out = map_row_tiles(fn, flat, tile=tile)
+  out = map_row_tiles(fn, flat, tile=tile) if invariant else fn(flat)
   return jax.tree.map(lambda a: a.reshape(lead_shape + a.shape[1:]), out)
 
 

@@ -28,7 +28,7 @@ import collections
 import dataclasses
 import functools
 import itertools
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +39,9 @@ from jaxrl_llm import models, ops
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.sampling.base import SampleResult, Sampler, SamplerConfig
 from jaxrl_llm.sampling.processing import select_tokens
-from jaxrl_llm.types import Trajectory
+from jaxrl_llm.sampling import layout
+from jaxrl_llm.sampling.layout import next_power_of_two
 
-
-def next_power_of_two(n: int, minimum: int = 1) -> int:
-  """Smallest power of two >= max(n, minimum)."""
-  n = max(int(n), int(minimum), 1)
-  return 1 << (n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,94 +114,48 @@ class JaxSampler(Sampler):
     self._params = params
     self._version = int(version)
 
-  # ----------------------------------------------------------------- host side
+  def generate(self, prompts: Sequence[Sequence[int]], *, rng: Any = None, row_ids: Optional[Sequence[int]] = None,
+               **overrides: Any) -> SampleResult:
+    """See ``Sampler.generate``; ``overrides`` are ``SamplerConfig`` fields for this call.
 
-  def _max_length(self, config: SamplerConfig) -> int:
-    limit = self.model_config.max_position_embeddings
-    return limit if config.max_length is None else min(int(config.max_length), limit)
-
-  def _prepare_prompts(self, prompts: Sequence[Sequence[int]], config: SamplerConfig
-                       ) -> tuple[list[list[int]], list[bool]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-      raise ValueError(f"generate: prompts must be a non-empty sequence of token-id sequences, got {type(prompts)}")
-    vocab = self.model_config.vocab_size
-    max_len = self._max_length(config)
-    budget = max_len - config.max_new_tokens
-    if budget < 1:
-      raise ValueError(f"generate: max_new_tokens={config.max_new_tokens} leaves no room for a prompt within "
-                       f"max length {max_len}")
-    out, truncated = [], []
-    for i, prompt in enumerate(prompts):
-      ids = [int(t) for t in np.asarray(prompt, dtype=np.int64).reshape(-1)]
-      if not ids:
-        raise ValueError(f"generate: prompt {i} is empty (at least one token is needed)")
-      bad = [t for t in ids if not 0 <= t < vocab]
-      if bad:
-        raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-      if len(ids) > budget:
-        if not config.truncate_prompts:
-          raise ValueError(
-              f"generate: prompt {i} has {len(ids)} tokens; with max_new_tokens={config.max_new_tokens} it needs "
-              f"{len(ids) + config.max_new_tokens} > max length {max_len} (max_position_embeddings="
-              f"{self.model_config.max_position_embeddings}, max_length={config.max_length}). Shorten it or set "
-              f"truncate_prompts=True to keep its last {budget} tokens.")
-        ids = ids[len(ids) - budget:]
-        truncated.append(True)
-      else:
-        truncated.append(False)
-      out.append(ids)
-    return out, truncated
-
-  def generate(self, prompts: Sequence[Sequence[int]], *, rng: Any = None, **overrides: Any) -> SampleResult:
-    """See ``Sampler.generate``; ``overrides`` are ``SamplerConfig`` fields for this call."""
+    ``row_ids`` (one int per output row, default ``0..B-1``) name the rows in the
+    per-row sampling keys ``fold_in(rng, row_id)``: a sampler pool that splits
+    one step's prompts over several calls passes each slice's global row ids and
+    samples what one call over the whole step would (bit for bit in
+    batch-invariant mode).
+    """
     config = self.config.replace(**overrides) if overrides else self.config
     call = next(self._calls)
     if rng is None:
       rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), call)
-    prompts, truncated = self._prepare_prompts(prompts, config)
+    prompts, truncated = layout.prepare_prompts(prompts, config, self.model_config)
     n = config.num_samples
     rows = [p for p in prompts for _ in range(n)]
     num_rows = len(rows)
     batch = next_power_of_two(num_rows, config.min_batch_bucket)
     lengths = np.array([len(p) for p in rows] + [1] * (batch - num_rows), np.int32)
-    prompt_len = next_power_of_two(int(lengths.max()), config.min_prompt_bucket)
+    prompt_len = layout.prompt_bucket(lengths, config)
     pad_id = self.model_config.pad_token_id
     tokens = np.full((batch, prompt_len), pad_id, np.int32)
     for r, p in enumerate(rows):
       tokens[r, :len(p)] = p
     active = np.arange(batch) < num_rows
     cache_length = -(-(prompt_len + config.max_new_tokens) // ops.KEY_BLOCK) * ops.KEY_BLOCK
-    stops = config.stop_token_ids
-    if stops is None:
-      stops = (self.model_config.eos_token_id,)
-    if pad_id in stops:
-      raise ValueError(f"generate: stop_token_ids {stops} contain the pad id {pad_id}; pad and stop must differ")
+    stops = layout.stop_token_ids(config, self.model_config)
     spec = _Spec(max_new_tokens=int(config.max_new_tokens), temperature=float(config.temperature),
                  top_k=int(config.top_k), top_p=float(config.top_p), greedy=bool(config.greedy),
                  stop_token_ids=tuple(int(s) for s in stops), cache_length=int(cache_length))
-    row_ids = jnp.arange(batch, dtype=jnp.int32)
+    if row_ids is None:
+      row_ids = np.arange(num_rows)
+    row_ids = np.asarray(row_ids, np.int64)
+    if row_ids.shape != (num_rows,):
+      raise ValueError(f"generate: row_ids has shape {row_ids.shape}, expected ({num_rows},) (one id per row)")
+    row_ids = jnp.asarray(np.concatenate([row_ids, np.arange(batch - num_rows) + row_ids.max() + 1]), jnp.int32)
     out = _generate_program(self._params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(active),
                             rng, row_ids, model_config=self.model_config, spec=spec)
     tokens_bt, logp_bt, resp_len, finished = (np.asarray(a)[:num_rows] for a in jax.device_get(out))
-    lengths = lengths[:num_rows]
-    index = np.arange(tokens_bt.shape[1])[None]
-    prompt_mask = index < lengths[:, None]
-    response_mask = (index >= lengths[:, None]) & (index < (lengths + resp_len)[:, None])
-    version = self._version
-    trajectory = Trajectory(
-        tokens_bt=tokens_bt.astype(np.int32),
-        prompt_mask_bt=prompt_mask,
-        response_mask_bt=response_mask,
-        behaviour_logp_bt=np.where(response_mask, logp_bt, 0.0).astype(np.float32),
-        policy_version_bt=np.where(response_mask, version, -1).astype(np.int32),
-        group_id_b=np.repeat(np.arange(len(prompts), dtype=np.int32), n),
-        rewards_b=np.zeros((num_rows,), np.float32),
-        finished_b=finished.astype(bool),
-    )
-    response_tokens = [tokens_bt[r, lengths[r]:lengths[r] + resp_len[r]].tolist() for r in range(num_rows)]
-    return SampleResult(trajectory=trajectory, prompt_tokens=[list(p) for p in rows],
-                        response_tokens=response_tokens,
-                        prompt_truncated_b=np.repeat(np.asarray(truncated, bool), n), policy_version=version)
+    return layout.build_sample_result(tokens_bt, logp_bt, lengths[:num_rows], resp_len, finished,
+                                      truncated_g=truncated, num_samples=n, version=self._version)
 
 
 _TRACES = collections.Counter()

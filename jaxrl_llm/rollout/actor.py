@@ -1,0 +1,181 @@
+"""A Ray actor that wraps any :class:`~jaxrl_llm.sampling.Sampler` and answers WorkItems.
+
+The actor holds one sampler built in its own process from a picklable
+:class:`SamplerSpec`. Weights arrive through Ray's object store
+(``update_weights(params_ref, version)``): the learner ``ray.put``s one host
+copy per publish and every actor reads it, so the transfer cost is one
+serialisation per step, not one per actor.
+
+Versions and in-flight updates (PipelineRL, arXiv:2509.19128):
+
+* a new version is *staged* when it arrives and *applied* at the next segment
+  boundary, under a lock that a segment's generation also holds, so no forward
+  pass ever mixes two versions' weights;
+* with ``segment_tokens`` set, a response is generated in segments of that
+  many tokens; between segments the staged weights (if any) are applied and
+  unfinished rows continue from their prompt + partial response with the new
+  weights (their keys and values are recomputed, not reused from the old
+  weights). Each token records the version that sampled it;
+* versions are monotone: an update older than (or equal to) the current
+  version is ignored and counted;
+* ``WorkItem.min_version`` makes an actor wait until it holds at least that
+  version before sampling, which is how a staleness bound of k = 0 reproduces
+  the synchronous loop exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from jaxrl_llm.rollout.schema import SCHEMA_VERSION, RolloutChunk, WorkItem
+from jaxrl_llm.rollout.segments import generate_in_segments
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+  """Everything an actor needs to build its sampler (picklable).
+
+  Attributes:
+    model_config: the decoder's ModelConfig.
+    sampler_config: SamplerConfig (num_samples is overridden per WorkItem).
+    fingerprint: the learner's tokenizer/model ``Fingerprint.to_dict()``; the
+      actor reports it with every chunk so the learner can reject a mismatch.
+    kind: ``"jax"`` (built-in) or ``"vllm"``.
+    segment_tokens: tokens per generation segment (0: whole responses in one
+      call; in-flight weight updates then land between calls).
+    platform: JAX platform for the actor process (``"cpu"`` keeps actors off
+      the learner's accelerators).
+    model_path: HF folder of the initial weights (vLLM loads the model from it;
+      the pipeline exports the learner's weights there before starting actors).
+  """
+
+  model_config: Any
+  sampler_config: Any
+  fingerprint: dict
+  kind: str = "jax"
+  segment_tokens: int = 0
+  platform: str = "cpu"
+  model_path: str = ""
+
+  def build(self, params: Any, version: int):
+    """Constructs the sampler (in the actor's process)."""
+    if self.kind == "jax":
+      from jaxrl_llm.sampling import JaxSampler
+      return JaxSampler(self.model_config, params, self.sampler_config, version=version)
+    if self.kind == "vllm":
+      from jaxrl_llm.bridge.fingerprint import Fingerprint
+      from jaxrl_llm.sampling.vllm_sampler import VllmSampler
+      if not self.model_path:
+        raise ValueError("SamplerSpec.model_path: the vLLM sampler needs an HF folder of the initial weights")
+      # params are the weights already saved in model_path (same version); vLLM loads them from there.
+      return VllmSampler(self.model_config, self.model_path, Fingerprint.from_dict(self.fingerprint),
+                         self.sampler_config, version=version)
+    raise ValueError(f"SamplerSpec.kind={self.kind!r}: expected 'jax' or 'vllm'")
+
+
+class SamplerWorker:
+  """The actor body (a plain class; :func:`remote_actor_class` wraps it for Ray).
+
+  Args:
+    spec: how to build the sampler.
+    params: initial weights (host numpy pytree).
+    version: their policy version.
+    sampler_id: a name for logs and fault accounting.
+  """
+
+  def __init__(self, spec: SamplerSpec, params: Any, version: int, sampler_id: str):
+    if spec.platform and spec.kind == "jax":
+      os.environ.setdefault("JAX_PLATFORMS", spec.platform)
+    self.spec = spec
+    self.sampler_id = sampler_id
+    self.sampler = spec.build(params, version)
+    self._lock = threading.Lock()  # held while generating a segment and while swapping weights
+    self._staged: Optional[tuple[Any, int]] = None
+    self._staged_cv = threading.Condition()
+    self.ignored_updates = 0
+
+  # ---------------------------------------------------------------- weights
+
+  def update_weights(self, params: Any, version: int) -> int:
+    """Stages ``params`` as ``version``; applied at the next segment boundary.
+
+    Returns:
+      The version now staged or held (monotone).
+    """
+    with self._staged_cv:
+      newest = self._staged[1] if self._staged else self.sampler.policy_version
+      if int(version) <= newest:
+        self.ignored_updates += 1
+        return newest
+      self._staged = (params, int(version))
+      self._staged_cv.notify_all()
+    if self._lock.acquire(blocking=False):  # idle: apply now rather than at the next call
+      try:
+        self._apply_staged()
+      finally:
+        self._lock.release()
+    return int(version)
+
+  def _apply_staged(self) -> None:
+    """Swaps in staged weights; the caller holds ``self._lock``."""
+    with self._staged_cv:
+      staged, self._staged = self._staged, None
+    if staged is not None:
+      self.sampler.update_weights(*staged)
+
+  def policy_version(self) -> int:
+    return self.sampler.policy_version
+
+  def _wait_for_version(self, min_version: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+      with self._lock:
+        self._apply_staged()
+        if self.sampler.policy_version >= min_version:
+          return
+      with self._staged_cv:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          raise TimeoutError(f"sampler {self.sampler_id}: waited {timeout_s:.0f} s for policy version "
+                             f">= {min_version}, holding {self.sampler.policy_version}")
+        if self._staged is None:
+          self._staged_cv.wait(min(remaining, 1.0))
+
+  # ---------------------------------------------------------------- work
+
+  def generate(self, item: WorkItem, min_version: int = -1, wait_timeout_s: float = 600.0) -> RolloutChunk:
+    """Samples ``item`` (after holding at least ``min_version``) and returns a RolloutChunk."""
+    self._wait_for_version(min_version, wait_timeout_s)
+    t0 = time.perf_counter()
+    rng = np.asarray(item.rng, np.uint32)  # a raw (legacy) jax.random key
+    row_ids = item.first_row + np.arange(len(item.prompts) * item.num_samples)
+
+    def segment(prompts, **kwargs):
+      with self._lock:
+        self._apply_staged()
+        return self.sampler.generate(prompts, **kwargs)
+
+    result = generate_in_segments(segment, [list(p) for p in item.prompts], num_samples=item.num_samples,
+                                  rng=rng, row_ids=row_ids, segment_tokens=self.spec.segment_tokens,
+                                  max_new_tokens=self.spec.sampler_config.max_new_tokens,
+                                  pad_id=self.spec.model_config.pad_token_id)
+    return RolloutChunk(schema_version=SCHEMA_VERSION, request_id=item.request_id, step=item.step,
+                        chunk=item.chunk, sampler_id=self.sampler_id, fingerprint=dict(self.spec.fingerprint),
+                        trajectory=result.trajectory, response_tokens=result.response_tokens,
+                        sample_seconds=time.perf_counter() - t0)
+
+  def ping(self) -> str:
+    return self.sampler_id
+
+
+def remote_actor_class(num_cpus: float = 1.0):
+  """``SamplerWorker`` as a Ray actor class (threaded: weights can land while a call runs)."""
+  import ray
+
+  return ray.remote(num_cpus=num_cpus, max_concurrency=4, max_restarts=0)(SamplerWorker)

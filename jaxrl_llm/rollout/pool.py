@@ -1,0 +1,259 @@
+"""A pool of sampler actors on Ray: dispatch, weight publishing, fault handling.
+
+The pool owns N :class:`~jaxrl_llm.rollout.actor.SamplerWorker` actors. Work
+items wait in a FIFO and go to idle actors; :meth:`SamplerPool.poll` returns
+finished chunks. Every chunk is validated at this boundary
+(:func:`~jaxrl_llm.rollout.schema.validate_chunk`); a bad one is rejected,
+its reasons counted, and its work re-queued.
+
+Faults: when an actor dies (``ray.kill``, SIGKILL, OOM) its in-flight work is
+counted as lost (``lost_items``) and re-queued under a new request id, the
+actor is replaced by a fresh one holding the latest published weights
+(``restarts``, up to ``max_restarts`` per slot; after that the pool shrinks),
+and the answer to the old request id, should it ever arrive, is dropped as a
+duplicate. A work item that fails ``max_attempts`` times with an exception
+raised by the sampler itself stops the run with that exception.
+
+Weights: :meth:`SamplerPool.publish` copies the learner's params to the host
+once, ``ray.put`` s them once, and sends the reference to every actor; the
+seconds and bytes of each publish are recorded.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from jaxrl_llm.rollout.actor import SamplerSpec, remote_actor_class
+from jaxrl_llm.rollout.cluster import ensure_ray
+from jaxrl_llm.rollout.schema import RolloutChunk, WorkItem
+
+log = logging.getLogger("jaxrl_llm")
+
+
+@dataclasses.dataclass
+class PoolStats:
+  """Counters of a pool's life (all cumulative)."""
+
+  dispatched: int = 0
+  delivered: int = 0
+  lost_items: int = 0
+  restarts: int = 0
+  duplicates: int = 0
+  rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  failures: int = 0
+  publishes: int = 0
+  publish_seconds: float = 0.0
+  publish_bytes: int = 0
+
+  def as_metrics(self) -> dict[str, float]:
+    return {"pool/dispatched": self.dispatched, "pool/delivered": self.delivered,
+            "pool/lost_items": self.lost_items, "pool/restarts": self.restarts,
+            "pool/duplicates": self.duplicates, "pool/rejected": sum(self.rejected.values()),
+            "pool/failures": self.failures,
+            "pool/publish_s": self.publish_seconds / max(self.publishes, 1),
+            "pool/publish_mb": self.publish_bytes / max(self.publishes, 1) / 2**20}
+
+
+@dataclasses.dataclass
+class _Slot:
+  name: str
+  actor: Any
+  restarts: int = 0
+  busy: bool = False
+
+
+class SamplerPool:
+  """N sampler actors fed from one FIFO of WorkItems.
+
+  Args:
+    spec: how each actor builds its sampler.
+    params: initial policy weights (any pytree; copied to the host).
+    version: their policy version.
+    num_samplers: N >= 1.
+    validate: ``validate(chunk) -> list of reasons`` run on every delivered chunk.
+    address: Ray cluster address ("" or None: start a local cluster on loopback).
+    actor_cpus: CPUs reserved per actor (Ray scheduling).
+    max_restarts: replacements per actor slot before the slot is given up.
+    max_attempts: tries of one work item whose sampler call raises.
+  """
+
+  def __init__(self, spec: SamplerSpec, params: Any, version: int, *, num_samplers: int,
+               validate: Callable[[RolloutChunk], list[str]], address: Optional[str] = None,
+               actor_cpus: float = 1.0, max_restarts: int = 3, max_attempts: int = 3):
+    if num_samplers < 1:
+      raise ValueError(f"rollout.num_samplers={num_samplers}: expected >= 1")
+    import ray
+
+    self._ray = ray
+    ensure_ray(address)
+    self.spec = spec
+    self.stats = PoolStats()
+    self._validate = validate
+    self._max_restarts = max_restarts
+    self._max_attempts = max_attempts
+    self._cls = remote_actor_class(actor_cpus)
+    self._version = int(version)
+    self._weights_ref = ray.put(_to_host(params))
+    self._slots = [self._start(f"sampler-{i}") for i in range(num_samplers)]
+    self._pending: collections.deque[tuple[WorkItem, int]] = collections.deque()
+    self._in_flight: dict[Any, tuple[_Slot, WorkItem, int]] = {}
+    self._attempts: collections.Counter = collections.Counter()
+    self._request_ids = itertools.count(1)
+    self._live_requests: set[int] = set()
+
+  # ---------------------------------------------------------------- actors
+
+  def _start(self, name: str, restarts: int = 0) -> _Slot:
+    actor = self._cls.options(name=None).remote(self.spec, self._weights_ref, self._version, name)
+    return _Slot(name=name, actor=actor, restarts=restarts)
+
+  @property
+  def num_samplers(self) -> int:
+    return len(self._slots)
+
+  def actors(self) -> list[Any]:
+    """The live actor handles (for tests that kill one)."""
+    return [s.actor for s in self._slots]
+
+  def new_request_id(self) -> int:
+    return next(self._request_ids)
+
+  # ---------------------------------------------------------------- work
+
+  def submit(self, item: WorkItem, min_version: int = -1, front: bool = False) -> None:
+    """Queues ``item``; an actor starts it once it holds ``min_version`` or newer."""
+    self._live_requests.add(item.request_id)
+    (self._pending.appendleft if front else self._pending.append)((item, min_version))
+    self._dispatch()
+
+  @property
+  def outstanding(self) -> int:
+    """Work items queued or running."""
+    return len(self._pending) + len(self._in_flight)
+
+  def _dispatch(self) -> None:
+    for slot in self._slots:
+      if not self._pending:
+        return
+      if slot.busy:
+        continue
+      item, min_version = self._pending.popleft()
+      ref = slot.actor.generate.remote(item, min_version)
+      slot.busy = True
+      self._in_flight[ref] = (slot, item, min_version)
+      self.stats.dispatched += 1
+
+  def poll(self, timeout_s: float = 1.0) -> list[RolloutChunk]:
+    """Waits up to ``timeout_s`` for finished work; returns the valid chunks that arrived."""
+    ray = self._ray
+    self._dispatch()
+    if not self._in_flight:
+      return []
+    ready, _ = ray.wait(list(self._in_flight), num_returns=1, timeout=timeout_s)
+    if ready:  # collect everything else that is already done, without waiting
+      more, _ = ray.wait([r for r in self._in_flight if r not in ready], num_returns=len(self._in_flight) - 1,
+                         timeout=0) if len(self._in_flight) > 1 else ([], None)
+      ready = list(ready) + list(more)
+    out = []
+    for ref in ready:
+      slot, item, min_version = self._in_flight.pop(ref)
+      slot.busy = False
+      try:
+        chunk = ray.get(ref)
+      except ray.exceptions.RayActorError as e:
+        self._replace(slot, e)
+        self._requeue(item, min_version, lost=True)
+        continue
+      except ray.exceptions.RayTaskError as e:
+        self.stats.failures += 1
+        self._attempts[(item.step, item.chunk)] += 1
+        if self._attempts[(item.step, item.chunk)] >= self._max_attempts:
+          raise RuntimeError(f"sampler {slot.name} failed step {item.step} chunk {item.chunk} "
+                             f"{self._max_attempts} times; last error:\n{e}") from e
+        log.warning("sampler %s failed on step %d chunk %d (retrying): %s", slot.name, item.step, item.chunk, e)
+        self._requeue(item, min_version, lost=False)
+        continue
+      if chunk.request_id not in self._live_requests:
+        self.stats.duplicates += 1
+        continue
+      reasons = self._validate(chunk)
+      if reasons:
+        for reason in reasons:
+          self.stats.rejected[reason.split(":")[0]] += 1
+        log.warning("rejected a chunk from %s (step %d chunk %d): %s", chunk.sampler_id, chunk.step, chunk.chunk,
+                    "; ".join(reasons))
+        self._attempts[(item.step, item.chunk)] += 1
+        if self._attempts[(item.step, item.chunk)] >= self._max_attempts:
+          raise RuntimeError(f"step {item.step} chunk {item.chunk} was rejected {self._max_attempts} times: "
+                             + "; ".join(reasons))
+        self._requeue(item, min_version, lost=False)
+        continue
+      self._live_requests.discard(chunk.request_id)
+      self.stats.delivered += 1
+      out.append(chunk)
+    self._dispatch()
+    return out
+
+  def _requeue(self, item: WorkItem, min_version: int, *, lost: bool) -> None:
+    self._live_requests.discard(item.request_id)
+    if lost:
+      self.stats.lost_items += 1
+    self.submit(dataclasses.replace(item, request_id=self.new_request_id()), min_version, front=True)
+
+  def _replace(self, slot: _Slot, error: Exception) -> None:
+    """Replaces a dead actor (or gives its slot up after ``max_restarts``)."""
+    log.warning("sampler %s died (%s); its in-flight work is re-queued", slot.name, type(error).__name__)
+    self._slots.remove(slot)
+    if slot.restarts < self._max_restarts:
+      self._slots.append(self._start(slot.name, slot.restarts + 1))
+      self.stats.restarts += 1
+    if not self._slots:
+      raise RuntimeError("every sampler actor died and none could be restarted "
+                         f"(max_restarts={self._max_restarts}); see the actors' logs")
+
+  # ---------------------------------------------------------------- weights
+
+  def publish(self, params: Any, version: int) -> float:
+    """Sends ``params`` (version ``version``) to every actor; returns the seconds spent.
+
+    Raises:
+      ValueError: when ``version`` is not newer than the last published one.
+    """
+    if int(version) <= self._version:
+      raise ValueError(f"publish: version {version} is not newer than the published {self._version}")
+    t0 = time.perf_counter()
+    host = _to_host(params)
+    self._weights_ref = self._ray.put(host)
+    self._version = int(version)
+    for slot in self._slots:
+      slot.actor.update_weights.remote(self._weights_ref, self._version)
+    seconds = time.perf_counter() - t0
+    self.stats.publishes += 1
+    self.stats.publish_seconds += seconds
+    self.stats.publish_bytes += sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(host))
+    return seconds
+
+  @property
+  def published_version(self) -> int:
+    return self._version
+
+  def shutdown(self) -> None:
+    for slot in self._slots:
+      try:
+        self._ray.kill(slot.actor)
+      except Exception:  # already dead
+        pass
+    self._slots = []
+
+
+def _to_host(params: Any) -> Any:
+  """A numpy copy of a (possibly sharded) pytree."""
+  return jax.tree.map(np.asarray, jax.device_get(params))
