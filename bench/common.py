@@ -1,15 +1,16 @@
-"""Small generic helpers for the benchmarks: repeated timing and peak memory.
-
-(JSON output, load averages, timing statistics and subprocess workers live in
-``bench.learner`` and are imported from there.)
-"""
+"""Generic helpers of the benchmarks: timing, peak memory, load averages, the JSON
+result line, and running each side of a comparison in its own worker subprocess."""
 
 from __future__ import annotations
 
+import json
+import os
 import resource
+import statistics
+import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 
 def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:
@@ -35,3 +36,76 @@ def peak_rss_mib() -> float:
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   # Linux reports KiB, macOS bytes.
   return peak / (1024.0 * 1024.0) if sys.platform == "darwin" else peak / 1024.0
+
+
+def load_average() -> list[float]:
+  """1, 5 and 15 minute load averages of the machine."""
+  return [round(x, 2) for x in os.getloadavg()]
+
+
+def timing_stats(seconds: Sequence[float]) -> dict[str, float]:
+  """Median, mean, min and max of a list of durations (seconds), and their count."""
+  if not seconds:
+    raise ValueError("timing_stats: no timings (steps must be >= 1)")
+  return {"median_s": statistics.median(seconds), "mean_s": statistics.fmean(seconds),
+          "min_s": min(seconds), "max_s": max(seconds), "n": len(seconds)}
+
+
+def emit(result: dict) -> None:
+  """Prints the benchmark's result as one JSON line (the last line of its output)."""
+  print(json.dumps(result, sort_keys=True), flush=True)
+
+
+def run_worker(module: str, args: Sequence[str], xla_flags: Optional[str] = None,
+               timeout_s: float = 600.0) -> dict:
+  """Runs ``python -m module args`` and returns the JSON object on its last stdout line.
+
+  Args:
+    module: e.g. ``"bench.learner"``.
+    args: command-line arguments.
+    xla_flags: XLA_FLAGS for the child (None: inherit; "" clears them).
+    timeout_s: wall-clock limit.
+
+  Returns:
+    The parsed object, or ``{"error": ...}`` with the tail of the child's output
+    when it failed, timed out or printed no JSON.
+  """
+  env = dict(os.environ)
+  if xla_flags is not None:
+    env["XLA_FLAGS"] = xla_flags
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  try:
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout_s, env=env, cwd=root, check=False)
+  except subprocess.TimeoutExpired as e:
+    return {"error": f"timed out after {timeout_s:.0f} s", "tail": str(e.stdout or "")[-800:]}
+  lines = [l for l in proc.stdout.splitlines() if l.strip()]
+  if proc.returncode == 0 and lines:
+    try:
+      return json.loads(lines[-1])
+    except json.JSONDecodeError:
+      pass
+  tail = (proc.stdout + proc.stderr)[-1500:]
+  return {"error": f"exit code {proc.returncode}", "tail": tail}
+
+
+def dispatch_worker(name: Optional[str], args: Any, **workers: Callable[[Any], dict]) -> Optional[dict]:
+  """Runs ``workers[name](args)`` and emits its result when this process is a worker.
+
+  Each benchmark re-invokes itself with ``--worker <side>`` (see :func:`run_worker`);
+  ``main`` calls this first and returns its result when it is not None.
+  """
+  if not name:
+    return None
+  result = workers[name](args)
+  emit(result)
+  return result
+
+
+def finish(result: dict, load_start: Sequence[float], t_start: float) -> dict:
+  """Adds the load averages around the run and its wall-clock to ``result``, emits it, returns it."""
+  result.update({"load_average_start": list(load_start), "load_average_end": load_average(),
+                 "wall_s": time.perf_counter() - t_start})
+  emit(result)
+  return result

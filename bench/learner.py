@@ -39,16 +39,14 @@ The last line printed is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-from bench.common import time_calls
+from bench.common import dispatch_worker, finish, load_average, run_worker, time_calls, timing_stats
 
 # XLA:CPU flag settings compared by the learner benchmark (set before ``import jax``).
 # On jaxlib 0.10.2 dots go to YNNPACK fusions by default; ``--xla_cpu_use_onednn=true``
@@ -62,61 +60,6 @@ FLAG_SETTINGS = {
 
 TARGET_SPEEDUP = 1.5
 PEAK_MATMUL_SIZE = 2048
-
-
-# ----------------------------------------------------------------------------- helpers
-# Shared with bench/rl_step.py and bench/sampler.py (bench/common.py holds time_calls).
-
-def load_average() -> list[float]:
-  """1, 5 and 15 minute load averages of the machine."""
-  return [round(x, 2) for x in os.getloadavg()]
-
-
-def timing_stats(seconds: Sequence[float]) -> dict[str, float]:
-  """Median, mean, min and max of a list of durations (seconds), and their count."""
-  if not seconds:
-    raise ValueError("timing_stats: no timings (steps must be >= 1)")
-  return {"median_s": statistics.median(seconds), "mean_s": statistics.fmean(seconds),
-          "min_s": min(seconds), "max_s": max(seconds), "n": len(seconds)}
-
-
-def emit(result: dict) -> None:
-  """Prints the benchmark's result as one JSON line (the last line of its output)."""
-  print(json.dumps(result, sort_keys=True), flush=True)
-
-
-def run_worker(module: str, args: Sequence[str], xla_flags: Optional[str] = None,
-               timeout_s: float = 600.0) -> dict:
-  """Runs ``python -m module args`` and returns the JSON object on its last stdout line.
-
-  Args:
-    module: e.g. ``"bench.learner"``.
-    args: command-line arguments.
-    xla_flags: XLA_FLAGS for the child (None: inherit; "" clears them).
-    timeout_s: wall-clock limit.
-
-  Returns:
-    The parsed object, or ``{"error": ...}`` with the tail of the child's output
-    when it failed, timed out or printed no JSON.
-  """
-  env = dict(os.environ)
-  if xla_flags is not None:
-    env["XLA_FLAGS"] = xla_flags
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  try:
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=env, cwd=root, check=False)
-  except subprocess.TimeoutExpired as e:
-    return {"error": f"timed out after {timeout_s:.0f} s", "tail": str(e.stdout or "")[-800:]}
-  lines = [l for l in proc.stdout.splitlines() if l.strip()]
-  if proc.returncode == 0 and lines:
-    try:
-      return json.loads(lines[-1])
-    except json.JSONDecodeError:
-      pass
-  tail = (proc.stdout + proc.stderr)[-1500:]
-  return {"error": f"exit code {proc.returncode}", "tail": tail}
 
 
 def tiny_qwen2_hf_config(vocab_size: int = 256, max_position_embeddings: int = 2048, **overrides: Any):
@@ -254,14 +197,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   for name in ("batch", "seq", "steps", "threads"):
     if getattr(a, name) < 1:
       p.error(f"--{name}={getattr(a, name)}: expected >= 1")
-  if a.worker == "torch":
-    result = _torch_worker(a)
-    emit(result)
-    return result
-  if a.worker == "jax":
-    result = _jax_worker(a)
-    emit(result)
-    return result
+  worker_result = dispatch_worker(a.worker, a, torch=_torch_worker, jax=_jax_worker)
+  if worker_result is not None:
+    return worker_result
 
   names = [n.strip() for n in a.flags.split(",") if n.strip()]
   unknown = [n for n in names if n not in FLAG_SETTINGS]
@@ -321,11 +259,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       "torch_tokens_per_s_fastest_step": torch_best, "jax_tokens_per_s_fastest_step": jax_best,
       "speedup_fastest_step": jax_best / torch_best,
       "speedup_vs_torch": speedup, "target_speedup": TARGET_SPEEDUP, "target_met": speedup >= TARGET_SPEEDUP,
-      "load_average_start": load_start, "load_average_end": load_average(),
-      "wall_s": time.perf_counter() - t_start,
   }
-  emit(result)
-  return result
+  return finish(result, load_start, t_start)
 
 
 if __name__ == "__main__":

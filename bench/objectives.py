@@ -40,8 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import time_calls
-from bench.learner import emit, load_average, timing_stats
+from bench.common import emit, load_average, time_calls, timing_stats
 from jaxrl_llm import objectives as O
 from jaxrl_llm import reduce
 from jaxrl_llm.advantages import grpo_advantages, sequence_to_tokens

@@ -35,7 +35,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from bench.learner import emit, load_average, run_worker
+from bench.common import dispatch_worker, emit, load_average, run_worker
 
 
 def _config(run_dir: str, mode: str, lag: int, samplers: int, steps: int):
@@ -90,10 +90,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   p.add_argument("--worker", choices=("sync", "pipeline"), help=argparse.SUPPRESS)
   p.add_argument("--lag", type=int, default=0, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
-  if a.worker:
-    a.mode = a.worker
-    emit(_worker(a))
-    return {}
+  a.mode = a.worker
+  worker_result = dispatch_worker(a.worker, a, sync=_worker, pipeline=_worker)
+  if worker_result is not None:
+    return worker_result
   start = load_average()
   common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--samplers", str(a.samplers)]
   results = {"sync": run_worker("bench.pipeline", ["--worker", "sync"] + common, timeout_s=1800)}

@@ -39,7 +39,8 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from bench.learner import FLAG_SETTINGS, emit, load_average, run_worker, timing_stats, tiny_qwen2_hf_config
+from bench.common import finish, emit, load_average, run_worker, timing_stats
+from bench.learner import FLAG_SETTINGS, tiny_qwen2_hf_config
 
 TARGET_SPEEDUP_AT_64 = 2.0
 PROMPTS_PER_STEP = 16
@@ -279,11 +280,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       "xla_flags": FLAG_SETTINGS[a.flags], "results": results,
       "speedup_at_64": at64, "target_speedup_at_64": TARGET_SPEEDUP_AT_64,
       "target_met": None if at64 is None else at64 >= TARGET_SPEEDUP_AT_64,
-      "load_average_start": load_start, "load_average_end": load_average(),
-      "wall_s": time.perf_counter() - t_start,
   }
-  emit(result)
-  return result
+  return finish(result, load_start, t_start)
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-from bench.common import peak_rss_mib, time_calls
-from bench.learner import FLAG_SETTINGS, PEAK_MATMUL_SIZE, emit, load_average, run_worker, timing_stats
+from bench.common import dispatch_worker, emit, load_average, peak_rss_mib, run_worker, time_calls, timing_stats
+from bench.learner import FLAG_SETTINGS, PEAK_MATMUL_SIZE
 from bench.learner import tiny_qwen2_hf_config
 
 TARGET_SPEEDUP = 4.0
@@ -237,14 +237,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   p.add_argument("--worker", choices=["torch", "jax"], help=argparse.SUPPRESS)
   p.add_argument("--folder", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
-  if a.worker == "torch":
-    result = _torch_worker(a)
-    emit(result)
-    return result
-  if a.worker == "jax":
-    result = _jax_worker(a)
-    emit(result)
-    return result
+  worker_result = dispatch_worker(a.worker, a, torch=_torch_worker, jax=_jax_worker)
+  if worker_result is not None:
+    return worker_result
   unknown = [f for f in a.flags if f not in FLAG_SETTINGS]
   if unknown:
     p.error(f"--flags: unknown settings {unknown}; choose from {sorted(FLAG_SETTINGS)}")

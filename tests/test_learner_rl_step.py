@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxrl_llm import advantages as A, models, objectives as O
 from jaxrl_llm.learner import optim, rl_step
