@@ -70,3 +70,16 @@ def test_command_line_override_error_names_the_field(tmp_path):
   assert proc.returncode != 0
   assert "objective.eps_low=-1.0: expected a number > 0" in proc.stderr + proc.stdout
   assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+
+
+def test_mesh_sizes_resolve_and_a_smaller_mesh_takes_the_first_devices():
+  import jax
+  from jaxrl_llm.learner import mesh as mesh_lib
+  n = len(jax.devices())
+  assert mesh_lib.resolve_mesh_shape({"data": -1, "fsdp": 1, "tensor": 1}, n) == (n, 1, 1)
+  small = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+  assert small.devices.size == 1 and small.devices.flat[0] == jax.devices()[0]
+  with pytest.raises(ValueError, match=r"learner.mesh=.*product 16 > number of devices 8"):
+    mesh_lib.resolve_mesh_shape({"data": 16}, 8)
+  with pytest.raises(ValueError, match="at most one axis may be -1"):
+    mesh_lib.resolve_mesh_shape({"data": -1, "fsdp": -1}, 8)

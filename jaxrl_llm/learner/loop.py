@@ -1,4 +1,5 @@
-"""The training loop behind ``jaxrl-train``: SFT warm start, then synchronous RL.
+"""The training loop behind ``jaxrl-train``: SFT warm start, then RL (synchronous, or
+PipelineRL with Ray sampler actors when ``rollout.mode="pipeline"``; see :class:`Pipeline`).
 
 One run, in order:
 
@@ -11,7 +12,9 @@ One run, in order:
    ``rl.samples_per_prompt`` responses, scores them with the task's reward
    (guarded: timeouts and exceptions score 0 and are counted), computes
    advantages, takes ``rl.updates_per_batch`` jitted updates and publishes the
-   new weights to the sampler; periodic evaluation and checkpoints;
+   new weights to the sampler(s); periodic evaluation and checkpoints. In
+   pipeline mode the samples of step t come from sampler actors that run up to
+   ``rollout.max_lag`` steps ahead (``jaxrl_llm.rollout``);
 5. outputs in the run folder: ``metrics.jsonl``, TensorBoard events,
    ``curves.png``, ``summary.json``, the policy as a Hugging Face folder in
    ``hf_export/``, and a printed summary.

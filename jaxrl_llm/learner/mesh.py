@@ -23,7 +23,7 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
 
   Raises:
     ValueError: naming the field (``learner.mesh.<axis>``) when sizes are not
-      positive or -1, more than one is -1, or the product does not match.
+      positive or -1, more than one is -1, or the product exceeds the devices.
   """
   unknown = set(sizes) - set(MESH_AXES)
   if unknown:
@@ -40,17 +40,22 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
       raise ValueError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: {num_devices} devices "
                        f"are not divisible by the fixed axes' product {known}")
     shape[shape.index(-1)] = num_devices // known
-  if int(np.prod(shape)) != num_devices:
+  if int(np.prod(shape)) > num_devices:
     raise ValueError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: product {int(np.prod(shape))} "
-                     f"!= number of devices {num_devices}")
+                     f"> number of devices {num_devices}")
   return tuple(shape)  # type: ignore[return-value]
 
 
 def make_mesh(sizes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """Builds the learner mesh over ``devices`` (default: all of them)."""
+  """Builds the learner mesh over ``devices`` (default: all of them).
+
+  With fixed sizes whose product is smaller than the number of devices, the
+  mesh takes the first ``product`` devices (e.g. ``{'data': 1}`` on a host
+  with 8 virtual CPU devices runs on one).
+  """
   devices = list(devices if devices is not None else jax.devices())
   shape = resolve_mesh_shape(sizes, len(devices))
-  return Mesh(np.array(devices).reshape(shape), MESH_AXES)
+  return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), MESH_AXES)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
