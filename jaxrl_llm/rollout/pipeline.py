@@ -26,6 +26,7 @@ al., arXiv:2510.13786) uses PipelineRL with k = 8.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -102,8 +103,7 @@ class PipelineFeeder:
         if chunk.step == learner_step and version - chunk.oldest_version() > self.max_lag:
           self.stale_dropped += 1
           item = self._items[key]
-          self.pool.submit(WorkItem(**{**item.__dict__, "request_id": self.pool.new_request_id()}), version,
-                           front=True)
+          self.pool.submit(dataclasses.replace(item, request_id=self.pool.new_request_id()), version, front=True)
           continue
         self._ready[key] = chunk
     self.wait_seconds += time.perf_counter() - t0

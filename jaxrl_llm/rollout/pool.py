@@ -157,11 +157,10 @@ class SamplerPool:
     self._dispatch()
     if not self._in_flight:
       return []
-    ready, _ = ray.wait(list(self._in_flight), num_returns=1, timeout=timeout_s)
-    if ready:  # collect everything else that is already done, without waiting
-      more, _ = ray.wait([r for r in self._in_flight if r not in ready], num_returns=len(self._in_flight) - 1,
-                         timeout=0) if len(self._in_flight) > 1 else ([], None)
-      ready = list(ready) + list(more)
+    refs = list(self._in_flight)
+    ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+    if ready:  # then take everything else that is already done, without waiting
+      ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
     out = []
     for ref in ready:
       slot, item, min_version = self._in_flight.pop(ref)
