@@ -83,6 +83,52 @@ class Trajectory:
                         policy_version_bt=cut(self.policy_version_bt))
 
 
+  def take(self, rows) -> "Trajectory":
+    """The trajectory of the given rows (host-side, numpy), in that order."""
+    rows = np.asarray(rows, np.int64)
+    return jax.tree.map(lambda a: np.asarray(a)[rows], self)
+
+
+_BT_FILL = {"tokens_bt": None, "prompt_mask_bt": False, "response_mask_bt": False, "behaviour_logp_bt": 0.0,
+            "policy_version_bt": -1}
+
+
+def concat_trajectories(trajectories, pad_id: int) -> Trajectory:
+  """Stacks trajectories' rows (in the given order), right-padding T to the widest.
+
+  Group ids are renumbered so that groups of different parts stay distinct
+  and increase in row order.
+
+  Args:
+    trajectories: a non-empty sequence of (numpy) Trajectories.
+    pad_id: token id of the padding columns.
+
+  Returns:
+    One Trajectory with B = the sum of the parts' rows and T = the widest part's T.
+  """
+  if not trajectories:
+    raise ValueError("concat_trajectories: no trajectories")
+  width = max(np.asarray(t.tokens_bt).shape[1] for t in trajectories)
+
+  def stack(name):
+    fill = pad_id if _BT_FILL[name] is None else _BT_FILL[name]
+    parts = [np.asarray(getattr(t, name)) for t in trajectories]
+    return np.concatenate([np.pad(a, [(0, 0), (0, width - a.shape[1])], constant_values=fill) for a in parts], 0)
+
+  groups, offset = [], 0
+  for t in trajectories:
+    g = np.asarray(t.group_id_b)
+    groups.append(g - g.min() + offset if g.size else g)
+    offset = (groups[-1].max() + 1) if g.size else offset
+  return Trajectory(
+      tokens_bt=stack("tokens_bt").astype(np.int32), prompt_mask_bt=stack("prompt_mask_bt"),
+      response_mask_bt=stack("response_mask_bt"), behaviour_logp_bt=stack("behaviour_logp_bt").astype(np.float32),
+      policy_version_bt=stack("policy_version_bt").astype(np.int32),
+      group_id_b=np.concatenate(groups).astype(np.int32),
+      rewards_b=np.concatenate([np.asarray(t.rewards_b) for t in trajectories]).astype(np.float32),
+      finished_b=np.concatenate([np.asarray(t.finished_b) for t in trajectories]).astype(bool))
+
+
 @struct.dataclass
 class Batch:
   """A training batch: a trajectory plus learner-side quantities.

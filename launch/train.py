@@ -6,9 +6,16 @@ a small decoder learns multi-digit addition on the CPU.
   jaxrl-train                                        # the default job
   jaxrl-train --config=configs/ppo_addition.py       # another recipe
   jaxrl-train --config.objective.eps_high=0.28 --config.rl.steps=50
+  jaxrl-train --config=configs/rm_addition.py        # a reward model (config.job="reward_model")
 
 Every config field can be overridden as ``--config.<path>=<value>``; the whole
 config is validated before anything starts.
+
+A multi-host learner runs this same command once per process, with
+``--num_processes=N --process_id=i --coordinator_address=host:port`` (or the
+``JAXRL_NUM_PROCESSES`` / ``JAXRL_PROCESS_ID`` / ``JAXRL_COORDINATOR``
+variables); ``python -m launch.local_multihost`` starts N such processes on
+this machine.
 """
 
 from __future__ import annotations
@@ -23,11 +30,21 @@ import configs
 _DEFAULT = os.path.join(os.path.dirname(configs.__file__), "grpo_addition.py")
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Path to a configs/*.py file.", lock_config=True)
 _RUN_DIR = flags.DEFINE_string("run_dir", None, "Overrides config.run_dir.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 of a multi-process learner (default: $JAXRL_COORDINATOR).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Learner processes (default: $JAXRL_NUM_PROCESSES, else 1).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (default: $JAXRL_PROCESS_ID).")
 
 
 def main(argv):
   del argv
   from jaxrl_llm import configuration
+  from jaxrl_llm.learner import multihost
+  try:
+    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   from jaxrl_llm.learner import loop
   config = _CONFIG.value
   if _RUN_DIR.value:
@@ -37,7 +54,11 @@ def main(argv):
   except configuration.ConfigError as e:
     raise app.UsageError(str(e)) from None
   logging.set_verbosity(logging.WARNING)
-  loop.train(config)
+  if config.job == "reward_model":
+    from jaxrl_llm.reward_model import train as reward_model_train
+    reward_model_train.train(config)
+  else:
+    loop.train(config)
 
 
 def run():

@@ -52,7 +52,8 @@ class TensorBoardWriter:
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     for k, v in metrics.items():
-      self._w.add_scalar(k, v, step)
+      if math.isfinite(v):  # undefined metrics (NaN: no tokens to measure) stay in the JSONL only
+        self._w.add_scalar(k, v, step)
 
   def close(self) -> None:
     self._w.flush()
@@ -62,7 +63,8 @@ class TensorBoardWriter:
 class ProgressBar:
   """A rich progress bar whose description shows the headline metrics."""
 
-  HEADLINE = ("reward/mean", "eval/accuracy", "throughput/tokens_per_s", "loss")
+  HEADLINE = ("reward/mean", "eval/accuracy", "throughput/tokens_per_s", "loss", "offpolicy/drift_tv",
+              "offpolicy/staleness_tv", "consistency/ess_rate", "guard/rollbacks")
 
   def __init__(self, total: int, description: str, enabled: bool = True):
     self._enabled = enabled

@@ -27,7 +27,7 @@ def check_writable(path: str, what: str) -> None:
   """Fails early, naming the folder, if ``path`` cannot be created or written."""
   try:
     os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, ".write_probe")
+    probe = os.path.join(path, f".write_probe.{os.getpid()}")  # several learner processes may probe at once
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)

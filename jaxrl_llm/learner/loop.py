@@ -35,14 +35,19 @@ import ml_collections
 import numpy as np
 from flax import struct
 
-from jaxrl_llm import advantages as A, bridge, configuration, models
-from jaxrl_llm.diagnostics import writers
-from jaxrl_llm.learner import builders, checkpoint, mesh as mesh_lib, rl_step, sft
+from jaxrl_llm import advantages as A, bridge, configuration, models, objectives as O, reward_model
+from jaxrl_llm.diagnostics import control, guard as guard_lib, offpolicy, writers
+from jaxrl_llm.learner import builders, checkpoint, mesh as mesh_lib, multihost, rft, rl_step, sft, update
 from jaxrl_llm.learner.state import TrainState, create_train_state
 from jaxrl_llm.sampling import JaxSampler, SamplerConfig
-from jaxrl_llm.tasks import PromptSource, RewardRunner, build_eval_set, get_task
+from jaxrl_llm.tasks import PromptSource, RewardRunner, build_eval_set, curation, get_task
+from jaxrl_llm.types import concat_trajectories
 
 log = logging.getLogger("jaxrl_llm")
+
+
+# RewardRunner counters saved with the run's progress (cumulative over the whole run).
+_REWARD_COUNTERS = ("calls", "failures", "timeouts", "nonfinite", "worker_restarts", "seconds")
 
 
 class NonFiniteError(RuntimeError):
@@ -56,6 +61,7 @@ class RunState:
   train: TrainState
   objective: Any
   ref_params: Any = None
+  good: Any = None  # (TrainState, objective state) of the guard's last good version
 
 
 @dataclasses.dataclass
@@ -70,6 +76,12 @@ class Progress:
   warm_start: Optional[dict] = None
   nonfinite_in_a_row: int = 0
   skipped_updates: int = 0
+  controller: Optional[dict] = None
+  guard: Optional[dict] = None
+  alerts: dict = dataclasses.field(default_factory=dict)  # alert name -> times raised (StepDiagnostics)
+  reward_state: Optional[dict] = None  # running moments of the reward-model reward (reward_model.scorer)
+  kl_reward_coef: Optional[float] = None  # current beta of the KL penalty in the reward (reward_model.shaping)
+  reward_counters: Optional[dict] = None  # the task RewardRunner's counters (reward/task/* metrics)
 
 
 class Run:
@@ -85,6 +97,16 @@ class Run:
     self.task = get_task(config.task.name, **dict(config.task.kwargs))
     self.tokenizer = builders.build_tokenizer(config, self.task)
     self.mesh = mesh_lib.make_mesh(dict(config.learner.mesh))
+    # Batch-invariant mode: gradients of learner.grad_atoms atoms summed by a fixed tree (learner/update.py).
+    self.grad_atoms = config.learner.grad_atoms if config.model.batch_invariant else 0
+    if self.grad_atoms:
+      mesh_lib.check_grad_atoms(self.mesh, self.grad_atoms)
+    if jax.process_count() > 1 and config.rollout.mode == "pipeline":
+      raise ValueError("rollout.mode='pipeline' with a multi-process learner: expected 'sync' (the Ray sampler "
+                       "pool is driven from one learner process)")
+    # Process 0 writes the run's files; the others write theirs under process_<i>/.
+    self.out_dir = (self.run_dir if multihost.is_main_process()
+                    else os.path.join(self.run_dir, f"process_{jax.process_index()}"))
     critic = config.critic.enabled
     self.model_config = builders.build_model_config(config, self.tokenizer)
     self.critic_config = self.model_config.replace(value_head=True) if critic else None
@@ -94,23 +116,55 @@ class Run:
     self.critic_optimizer = (builders.optim.make_optimizer(config.critic.lr, max_grad_norm=config.optimizer.max_grad_norm)
                              if critic else None)
     self.objective = builders.build_objective(config, config.rl.max_new_tokens)
-    self.uses_ref = builders.objective_uses_reference(config)
+    self.uses_ref = builders.needs_reference_policy(config)
     self.rewarder = RewardRunner(self.task.reward, timeout_s=5.0, name="task")
     self.eval_set = build_eval_set(self.task, config.task.eval_size, seed=config.seed)
     self.sampler_config = SamplerConfig(
         max_new_tokens=config.rl.max_new_tokens, temperature=config.rl.temperature, top_k=config.rl.top_k,
         top_p=config.rl.top_p, num_samples=config.rl.samples_per_prompt, seed=config.seed,
         max_length=config.model.max_position_embeddings if not config.init.hf_checkpoint else None)
+    self.thresholds = offpolicy.ConsistencyThresholds(
+        max_kl_k3=config.diagnostics.max_kl_k3, max_out_of_bounds=config.diagnostics.max_out_of_bounds,
+        min_ess_rate=config.diagnostics.min_ess_rate)
+    self.diagnostics = offpolicy.StepDiagnostics(self.thresholds,
+                                                 max_abs_advantage=config.diagnostics.max_abs_advantage,
+                                                 max_filter_rate=config.diagnostics.max_filter_rate)
+    self.controller = _make_controller(config)
+    self.guard = guard_lib.ImprovementGuard(_guard_settings(config)) if config.guard.enabled else None
+    self.guard_set = (build_eval_set(self.task, config.guard.eval_size, seed=config.seed + 7)
+                      if config.guard.enabled else None)
     self._state = self._initial_state()
     self.progress = Progress()
     self._restore()
-    self.sampler = JaxSampler(self.model_config, self._state.train.params, self.sampler_config)
+    for name, value in (self.progress.reward_counters or {}).items():
+      setattr(self.rewarder, name, value)  # a resumed run logs the counts an uninterrupted one would
+    if self.controller is not None:
+      if self.progress.controller:
+        self.controller.set_state(self.progress.controller)
+      self._apply_control()
+    if self.guard is not None and self.progress.guard:
+      self.guard.set_state(self.progress.guard)
+    if self.progress.alerts:
+      self.diagnostics.load_state_dict({"counts": self.progress.alerts})
+    self.sampler = JaxSampler(self.model_config, multihost.local_copy(self._state.train.params), self.sampler_config)
     self.publish()
-    self._sft_step = sft.make_sft_step(self.model_config, self.sft_optimizer, config.learner.micro_batches)
+    self.sequence_rewards = reward_model.build_sequence_rewards(config, self.mesh, self.tokenizer, self.task,
+                                                                self.greedy_responses)
+    if self.sequence_rewards is not None:
+      self.sequence_rewards.set_state(self.progress.reward_state)
+    self.kl_shaper = reward_model.build_kl_shaper(config)
+    self._sft_step = sft.make_sft_step(self.model_config, self.sft_optimizer, config.learner.micro_batches,
+                                       grad_atoms=self.grad_atoms, mesh=self.mesh)
     self._rl_steps: dict[bool, Any] = {}
-    self._ref_logp = jax.jit(lambda p, t, m: models.sequence_logprobs(p, self.model_config, t, m,
-                                                                       config.rl.temperature))
-    self._values = (jax.jit(lambda p, t, m: rl_step.shifted_values(p, self.critic_config, t, m))
+    self._gae_inputs = None  # (rewards_bt, response_mask_bt) of the last GAE batch, for the advantage drift
+    self._source = None  # the RL prompt source (set by run_rl)
+    self._last_samples = None  # (examples, response ids, rewards, finished) of the last batch, for RFT
+    self._rft_step = None
+    # Invariant mode: whole-array forwards on every device (no layout-dependent partial sums).
+    whole = (lambda f: update.replicated(f, self.mesh)) if self.grad_atoms else (lambda f: f)
+    self._logp = jax.jit(whole(lambda p, t, m: models.sequence_logprobs(p, self.model_config, t, m,
+                                                                             config.rl.temperature)))
+    self._values = (jax.jit(whole(lambda p, t, m: rl_step.shifted_values(p, self.critic_config, t, m)))
                     if critic else None)
 
   # ------------------------------------------------------------------ state
@@ -123,7 +177,9 @@ class Run:
       critic_params = builders.build_params(c, self.critic_config, self.mesh, c.seed + 1,
                                             c.critic.init_from or c.init.hf_checkpoint or None)
     train = create_train_state(params, self.optimizer, c.seed, critic_params, self.critic_optimizer)
-    return _place_on_mesh(RunState(train=train, objective=self.objective.init(None), ref_params=None), self.mesh)
+    objective = self.objective.init(None)
+    good = (train, objective) if c.guard.enabled else None  # same structure from the start: restorable
+    return _place_on_mesh(RunState(train=train, objective=objective, ref_params=None, good=good), self.mesh)
 
   def _restore(self) -> None:
     if not (self.config.checkpoint.resume and self.checkpointer.latest_step() is not None):
@@ -138,6 +194,11 @@ class Run:
     print(f"Resumed from {self.checkpointer.directory} at step {step} ({self.progress.phase} phase).")
 
   def _save(self, force: bool = False) -> None:
+    self.progress.reward_counters = {k: getattr(self.rewarder, k) for k in _REWARD_COUNTERS}
+    if self.controller is not None:
+      self.progress.controller = self.controller.get_state()
+    if self.guard is not None:
+      self.progress.guard = self.guard.get_state()
     step = self.progress.sft_step + self.progress.rl_step
     if force or self.checkpointer.should_save(step):
       self.checkpointer.save(step, self._state, {"progress": dataclasses.asdict(self.progress)})
@@ -150,7 +211,8 @@ class Run:
     """Sends the current policy weights to the sampler if it has an older version."""
     version = int(self._state.train.policy_version)
     if self.sampler.policy_version != version:
-      self.sampler.update_weights(self._state.train.params, version)
+      # the sampler runs on one local device with a whole copy (same bits on any mesh / process count)
+      self.sampler.update_weights(multihost.local_copy(self._state.train.params), version)
 
   # ------------------------------------------------------------------ data
 
@@ -164,16 +226,21 @@ class Run:
 
   # ------------------------------------------------------------------ evaluation
 
+  def greedy_correct(self, examples) -> np.ndarray:
+    """bool [len(examples)]: whether the greedy answer of the current policy is exactly right."""
+    self.publish()
+    prompts = [self.encode_prompt(e.prompt) for e in examples]
+    greedy = self.sampler.generate(prompts, greedy=True, num_samples=1, rng=jax.random.PRNGKey(0))
+    return np.array([self.task.reward(e, self.decode_response(r)) >= 1.0
+                     for e, r in zip(examples, greedy.response_tokens)])
+
   def evaluate(self, pass_k: Optional[int] = None) -> dict[str, float]:
     """Greedy accuracy and pass@k on the held-out set."""
     pass_k = pass_k or self.config.eval.pass_k
-    self.publish()
     examples = list(self.eval_set.examples)
+    correct = self.greedy_correct(examples)
     prompts = [self.encode_prompt(e.prompt) for e in examples]
     rng = jax.random.fold_in(jax.random.PRNGKey(self.config.seed + 1), self.progress.sft_step + self.progress.rl_step)
-    greedy = self.sampler.generate(prompts, greedy=True, num_samples=1, rng=rng)
-    correct = np.array([self.task.reward(e, self.decode_response(r)) >= 1.0
-                        for e, r in zip(examples, greedy.response_tokens)])
     sampled = self.sampler.generate(prompts, num_samples=pass_k, rng=jax.random.fold_in(rng, 1))
     hits = np.array([self.task.reward(examples[i // pass_k], self.decode_response(r)) >= 1.0
                      for i, r in enumerate(sampled.response_tokens)]).reshape(len(examples), pass_k)
@@ -224,8 +291,9 @@ class Run:
       spec = rl_step.RLStepSpec(model=self.model_config, temperature=c.rl.temperature,
                                 group_size=c.rl.samples_per_prompt, micro_batches=c.learner.micro_batches,
                                 use_ref=self.uses_ref, use_entropy=bool(c.objective.entropy_coef),
-                                critic=self.critic_config, train_actor=train_actor)
-      self._rl_steps[train_actor] = rl_step.make_rl_step(spec, self.objective, self.optimizer, self.critic_optimizer)
+                                critic=self.critic_config, train_actor=train_actor, grad_atoms=self.grad_atoms)
+      self._rl_steps[train_actor] = rl_step.make_rl_step(spec, self.objective, self.optimizer, self.critic_optimizer,
+                                                         mesh=self.mesh)
     return self._rl_steps[train_actor]
 
   def sampling_key(self, rl_step_index: int) -> jax.Array:
@@ -235,13 +303,54 @@ class Run:
 
   def collect(self, prompt_source: PromptSource) -> tuple[rl_step.RLBatch, dict]:
     """Samples (in this process), scores and turns one batch of prompts into an RLBatch."""
+    if self.config.data.dynamic_sampling:
+      return self.collect_informative(prompt_source)
     pb = prompt_source.next_batch()
     t0 = time.perf_counter()
     result = self.sampler.generate([self.encode_prompt(e.prompt) for e in pb.examples],
                                    rng=self.sampling_key(self.progress.rl_step))
     return self.build_batch(pb.examples, result.trajectory, result.response_tokens, time.perf_counter() - t0)
 
-  def build_batch(self, examples, trajectory, response_tokens, t_sample: float) -> tuple[rl_step.RLBatch, dict]:
+  def collect_informative(self, prompt_source: PromptSource) -> tuple[rl_step.RLBatch, dict]:
+    """Dynamic sampling (DAPO, arXiv:2503.14476): sampling rounds of ``rl.prompts_per_step``
+    prompts until that many groups with unequal rewards are collected (at most
+    ``data.max_rounds``; then zero-variance groups pad the batch, counted in
+    ``data/dynamic_padded_groups``). Round r of RL step i samples with
+    ``fold_in(sampling_key(i), r)`` (round 0: the key itself), so the rounds
+    are a function of (seed, step) and a resumed run repeats them."""
+    c = self.config
+    n = c.rl.samples_per_prompt
+    collector = curation.InformativeGroupCollector(c.rl.prompts_per_step, n, max_rounds=c.data.max_rounds)
+    trajectories, responses, examples, rewards, reward_metrics = [], [], [], [], {}
+    t0 = time.perf_counter()
+    key = self.sampling_key(self.progress.rl_step)
+    while not collector.done:
+      pb = prompt_source.next_batch()
+      rng = key if not trajectories else jax.random.fold_in(key, len(trajectories))
+      result = self.sampler.generate([self.encode_prompt(e.prompt) for e in pb.examples], rng=rng)
+      pairs = [(pb.examples[i // n], self.decode_response(r)) for i, r in enumerate(result.response_tokens)]
+      round_rewards, reward_metrics = self.score_rewards(pb.examples, pairs, result.trajectory.trimmed(multiple=8))
+      self._record_pass_rates(pb.examples, round_rewards)
+      trajectories.append(result.trajectory)
+      responses += list(result.response_tokens)
+      examples += list(pb.examples)
+      rewards.append(round_rewards)
+      collector.add(round_rewards)
+    out = collector.result()
+    rows = np.asarray(out.rows_b)
+    traj = concat_trajectories(trajectories, self.model_config.pad_token_id).take(rows)
+    batch, metrics = self.build_batch([examples[int(r) // n] for r in rows[::n]], traj,
+                                      [responses[int(r)] for r in rows], time.perf_counter() - t0,
+                                      scored=(np.concatenate(rewards)[rows], reward_metrics))
+    metrics.update(out.metrics())
+    return batch, metrics
+
+  def _record_pass_rates(self, examples, rewards) -> None:
+    if isinstance(self._source, curation.CuratedPromptSource):
+      self._source.record(list(examples), rewards)
+
+  def build_batch(self, examples, trajectory, response_tokens, t_sample: float,
+                  scored: Optional[tuple[np.ndarray, dict]] = None) -> tuple[rl_step.RLBatch, dict]:
     """Scores sampled responses and builds the RLBatch (advantages, reference, lags).
 
     Args:
@@ -249,26 +358,42 @@ class Run:
       trajectory: the B = G * n sampled rows (numpy Trajectory).
       response_tokens: per row, the sampled ids.
       t_sample: seconds spent sampling (for the metrics).
+      scored: ``(rewards [B], reward metrics)`` when the caller already scored the
+        rows (and fed the curated source's pass rates); None: score them here.
     """
     c = self.config
     n = c.rl.samples_per_prompt
     traj = trajectory.trimmed(multiple=8)
     pairs = [(examples[i // n], self.decode_response(r)) for i, r in enumerate(response_tokens)]
-    rewards = np.asarray(self.rewarder.score(pairs), np.float32)
-    if c.advantage.reward_clip:
-      rewards = np.clip(rewards, -c.advantage.reward_clip, c.advantage.reward_clip)
+    if scored is None:
+      rewards, reward_metrics = self.score_rewards(examples, pairs, traj)
+      self._record_pass_rates(examples, rewards)
+    else:
+      rewards, reward_metrics = scored
+    self._last_samples = (examples, response_tokens, rewards, np.asarray(trajectory.finished_b))
     tokens = jnp.asarray(traj.tokens_bt)
     response = jnp.asarray(traj.response_mask_bt)
     seq = jnp.asarray(traj.prompt_mask_bt) | response
     behaviour = jnp.asarray(traj.behaviour_logp_bt)
     zeros = jnp.zeros(tokens.shape, jnp.float32)
     old_values, returns = zeros, zeros
-    metrics: dict[str, Any] = {}
+    metrics: dict[str, Any] = dict(reward_metrics)
+    ref = None
     if c.advantage.estimator == "gae":
       old_values = self._values(self._state.train.critic_params, tokens, seq)
-      rewards_bt = A.reward_at_eos(rewards, response)
+      if self.kl_shaper is not None:  # r_t = 1[EOS] r - beta KL_t against the warm start
+        ref = self._logp(self._state.ref_params, tokens, seq)
+        rewards_bt, self.progress.kl_reward_coef, kl_metrics = self.kl_shaper(
+            rewards, behaviour, ref, response, self.progress.kl_reward_coef)
+        metrics.update(kl_metrics)
+      else:
+        rewards_bt = A.reward_at_eos(rewards, response)
       adv, returns = A.gae(rewards_bt, jnp.where(response, old_values, 0.0), response,
                            gamma=c.advantage.gamma, lam=c.advantage.lam)
+      self._gae_inputs = (rewards_bt, response)
+      metrics.update(offpolicy.advantage_substitution_error(
+          np.asarray(old_values), offpolicy.monte_carlo_returns(np.asarray(rewards_bt), np.asarray(response),
+                                                                c.advantage.gamma), np.asarray(response)))
     else:
       out = A.group_advantages(rewards, n, estimator=builders.GROUP_ESTIMATORS[c.advantage.estimator])
       adv = A.sequence_to_tokens(out.advantages_b, response)
@@ -285,7 +410,8 @@ class Run:
       old_values, returns = zeros, zeros
       traj = traj.replace(policy_version_bt=np.asarray(traj.policy_version_bt)[rows])
       metrics["data/rows_trained"] = float(len(rows))
-    ref = self._ref_logp(self._state.ref_params, tokens, seq) if self.uses_ref else zeros
+    if ref is None:
+      ref = self._logp(self._state.ref_params, tokens, seq) if self.uses_ref else zeros
     version = int(self._state.train.policy_version)
     lag = jnp.where(response, version - jnp.asarray(traj.policy_version_bt), 0)
     batch = rl_step.RLBatch(tokens_bt=tokens, seq_mask_bt=seq, response_mask_bt=response,
@@ -304,17 +430,56 @@ class Run:
         "time/sample_s": t_sample,
     })
     metrics.update(self.rewarder.metrics)
+    if isinstance(self._source, curation.CuratedPromptSource):
+      metrics.update(self._source.metrics())
     return batch, metrics
 
-  def _row_granule(self) -> int:
-    """Smallest learner batch: a multiple of the group size, micro-batches and data-parallel size."""
+  def score_rewards(self, examples, pairs, trajectory) -> tuple[np.ndarray, dict]:
+    """Sequence rewards of the B sampled rows: the task's rule reward (guarded runner), combined
+    with a reward model's processed score when ``reward_model.path`` is set (see
+    :class:`jaxrl_llm.reward_model.SequenceRewards`), then clipped by ``advantage.reward_clip``.
+
+    Returns:
+      ``(rewards float32 [B], metrics)``.
+    """
     c = self.config
+    rewards = np.asarray(self.rewarder.score(pairs), np.float32)
+    metrics: dict[str, Any] = {}
+    if self.sequence_rewards is not None:
+      rewards, metrics = self.sequence_rewards(examples, pairs, trajectory, rewards)
+      self.progress.reward_state = self.sequence_rewards.get_state()
+    if c.advantage.reward_clip:
+      rewards = np.clip(rewards, -c.advantage.reward_clip, c.advantage.reward_clip)
+    return rewards, metrics
+
+  def greedy_responses(self, examples) -> tuple[Any, list[str]]:
+    """The current policy's greedy answer to each example: ``(Trajectory, response texts)``."""
+    self.publish()
+    out = self.sampler.generate([self.encode_prompt(e.prompt) for e in examples], greedy=True, num_samples=1,
+                                rng=jax.random.PRNGKey(0))
+    return out.trajectory, [self.decode_response(r) for r in out.response_tokens]
+
+  def _row_granule(self) -> int:
+    """Smallest learner batch: a multiple of the group size, micro-batches and data-parallel size
+    (invariant mode: whole groups in each of the atoms, the same on every mesh)."""
+    c = self.config
+    if self.grad_atoms:
+      return c.rl.samples_per_prompt * self.grad_atoms
     data = int(np.prod([self.mesh.shape[a] for a in self.mesh.axis_names if a in ("data", "fsdp")]))
     return int(np.lcm.reduce([c.rl.samples_per_prompt, c.learner.micro_batches, data]))
 
+  def prompt_source(self) -> PromptSource | curation.CuratedPromptSource:
+    """The RL prompt stream: plain task order, or curated (``data.curate``) with pass-rate state."""
+    c = self.config
+    if c.data.curate:
+      return curation.CuratedPromptSource(self.task, c.rl.prompts_per_step, seed=c.seed,
+                                          samples_per_prompt=c.rl.samples_per_prompt,
+                                          config=configuration.curation_config(c))
+    return PromptSource(self.task, c.rl.prompts_per_step, seed=c.seed, samples_per_prompt=c.rl.samples_per_prompt)
+
   def run_rl(self, metrics_writer: writers.MetricsWriter) -> None:
     c = self.config
-    source = PromptSource(self.task, c.rl.prompts_per_step, seed=c.seed, samples_per_prompt=c.rl.samples_per_prompt)
+    source = self._source = self.prompt_source()
     if self.progress.prompt_stream:
       source.set_state(self.progress.prompt_stream)
     pipeline = Pipeline(self, source) if c.rollout.mode == "pipeline" else None
@@ -331,39 +496,196 @@ class Run:
       batch, metrics = pipeline.collect() if pipeline else self.collect(source)
       # the learner's idle time: sampling in the synchronous loop, waiting for chunks in the pipeline
       metrics.setdefault("time/wait_s", metrics["time/sample_s"])
-      train_actor = self.progress.rl_step >= c.critic.warmup_steps or not c.critic.enabled
-      step_fn = self._rl_step_fn(train_actor)
       t1 = time.perf_counter()
-      for _ in range(c.rl.updates_per_batch):
-        train, obj_state, m = step_fn(self._state.train, self._state.objective, batch)
-        self._state = self._state.replace(train=train, objective=obj_state)
-        self._track_nonfinite(m) if train_actor else None
+      metrics.update(self.learn(batch, metrics))
       t_publish = time.perf_counter()
       if pipeline:
+        if self.controller is not None:
+          pipeline.feeder.max_lag = self.controller.state.max_lag
         pipeline.publish()
       else:
         self.publish()
       metrics["time/publish_s"] = time.perf_counter() - t_publish
       t2 = time.perf_counter()
+      if c.data.rft_every and (self.progress.rl_step + 1) % c.data.rft_every == 0:
+        metrics.update(self.rft_step())
       self.progress.rl_step += 1
-      self.progress.prompt_stream = pipeline.stream_state() if pipeline else source.get_state()
-      metrics.update(m)
+      stream = pipeline.stream_state() if pipeline else None
+      # A curated source replays drawn-but-unrecorded batches after set_state, so
+      # its own state is right in both modes; the plain stream in the pipeline is
+      # the state right after this step's prompts.
+      self.progress.prompt_stream = source.get_state() if (pipeline is None or c.data.curate) else stream
       tokens = float(np.asarray(batch.response_mask_bt).sum())
       metrics.update({"time/learn_s": t2 - t1, "time/step_s": t2 - t0,
-                      "throughput/tokens_per_s": tokens / max(t2 - t0, 1e-9),
-                      "policy_version": float(self._state.train.policy_version)})
+                      "throughput/tokens_per_s": tokens / max(t2 - t0, 1e-9)})
+      if self.guard is not None and self.guard.due(self.progress.rl_step):
+        metrics.update(self.guard_check())
+      metrics["policy_version"] = float(self._state.train.policy_version)
       if self.progress.rl_step % c.eval.every == 0 or self.progress.rl_step == c.rl.steps:
         metrics.update(self.evaluate())
       if self.progress.rl_step % c.log.every == 0 or "eval/accuracy" in metrics:
         metrics_writer.write(self.progress.rl_step, metrics)
       self._save()
 
+  def learn(self, batch: rl_step.RLBatch, data_metrics: dict) -> dict:
+    """The update(s) on one batch, bracketed by the consistency check and the diagnostics.
+
+    ``rl.updates_per_batch`` jitted steps; the first one also returns the
+    learner's log-probabilities pi_k of the batch before any update, which the
+    consistency check compares with the sampler's (and, with
+    ``diagnostics.consistency_action="skip"``, discards the update on an
+    alert). Then the seed diagnostics (drift, staleness, alerts) and the
+    controller's reaction to them.
+
+    Returns:
+      the step's metrics (objective, optimizer, ``consistency/*``,
+      ``offpolicy/*``, ``alerts/*``, ``control/*``).
+    """
+    c = self.config
+    train_actor = self.progress.rl_step >= c.critic.warmup_steps or not c.critic.enabled
+    step_fn = self._rl_step_fn(train_actor)
+    batch = self._shard_batch(batch)
+    before = self._state
+    logp_k = None
+    for _ in range(c.rl.updates_per_batch):
+      train, obj_state, m = step_fn(self._state.train, self._state.objective, batch)
+      logp = m.pop("logp_bt")
+      logp_k = logp if logp_k is None else logp_k
+      self._state = self._state.replace(train=train, objective=obj_state)
+      self._track_nonfinite(m) if train_actor else None
+    metrics = dict(m)
+    metrics.update(self.diagnose(batch, np.asarray(logp_k), before, data_metrics, train_actor))
+    if self.controller is not None:
+      kl = m.get("kl_loss/kl_mean")
+      metrics.update(self.controller.update(
+          drift=metrics.get("offpolicy/drift_tv"), staleness=metrics.get("offpolicy/staleness_tv"),
+          kl=None if kl is None else float(kl), episodes=int(batch.tokens_bt.shape[0])))
+      self._apply_control()
+    return metrics
+
+  def _shard_batch(self, batch: rl_step.RLBatch) -> rl_step.RLBatch:
+    """Default path: rows split over the mesh's batch axes (data x fsdp), so each device
+    computes its share instead of the whole batch. Invariant mode places atoms itself."""
+    shards = mesh_lib.batch_divisor(self.mesh)
+    if self.grad_atoms or shards == 1 or batch.tokens_bt.shape[0] % shards:
+      return batch
+    return jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(self.mesh, x.ndim)), batch)
+
+  def diagnose(self, batch: rl_step.RLBatch, logp_k: np.ndarray, before: RunState, data_metrics: dict,
+               train_actor: bool) -> dict:
+    """Consistency check, seed diagnostics and alerts of one learner step (host-side, float64).
+
+    Args:
+      batch: the batch just trained on.
+      logp_k: float32 [B, T] learner log-probabilities before the update.
+      before: the run state before the update (restored on a skipped update).
+      data_metrics: the batch's data metrics (filter rate).
+      train_actor: False during critic warm-up (nothing to skip or drift).
+    """
+    c = self.config
+    mask = np.asarray(batch.response_mask_bt)
+    behaviour = np.asarray(batch.behaviour_logp_bt)
+    out, alerts = self.diagnostics.before_update(
+        logp_k, behaviour, mask, np.asarray(batch.lag_bt), np.asarray(batch.advantages_bt),
+        float(data_metrics.get("data/zero_variance_groups", 0.0)))
+    inconsistent = any(a.metric.startswith("consistency/") for a in alerts)
+    skipped = inconsistent and c.diagnostics.consistency_action == "skip" and train_actor
+    if skipped:
+      self._state = before
+    out["consistency/update_skipped"] = float(skipped)
+    every = c.diagnostics.drift_every
+    if train_actor and not skipped and every and self.progress.rl_step % every == 0:
+      after = np.asarray(self._logp(self.params, batch.tokens_bt, batch.seq_mask_bt))
+      drift, drift_alerts = self.diagnostics.after_update(logp_k, after, behaviour, mask)
+      out.update(drift)
+      alerts += drift_alerts
+      if self._gae_inputs is not None:
+        out.update(self._advantage_drift(batch))
+    for a in alerts:
+      log.warning("RL step %d alert: %s%s", self.progress.rl_step, a,
+                  " (update discarded)" if skipped and a.metric.startswith("consistency/") else "")
+    self.progress.alerts = self.diagnostics.state_dict()["counts"]
+    return out
+
+  def _advantage_drift(self, batch: rl_step.RLBatch) -> dict:
+    """GAE path: advantages recomputed with the updated critic against those trained on."""
+    rewards_bt, response = self._gae_inputs
+    c = self.config
+    values = self._values(self._state.train.critic_params, batch.tokens_bt, batch.seq_mask_bt)
+    adv, _ = A.gae(rewards_bt, jnp.where(response, values, 0.0), response, gamma=c.advantage.gamma,
+                   lam=c.advantage.lam)
+    if c.advantage.normalization != "none":
+      adv = A.make_advantage_normalizer(c.advantage.normalization, group_size=c.rl.samples_per_prompt)(adv, response)
+    return offpolicy.advantage_drift(np.asarray(batch.advantages_bt), np.asarray(adv), np.asarray(response))
+
+  def rft_step(self) -> dict:
+    """Rejection-sampling fine-tuning: one SFT step on the best of each group's n samples.
+
+    The last batch's groups whose best reward reaches ``data.rft_min_reward``
+    (finished responses only) contribute their best sample; the step uses the
+    RL optimizer (its moments and schedule continue) and bumps the policy
+    version. References: Touvron et al., Llama 2, arXiv:2307.09288 (rejection
+    sampling fine-tuning); Yuan et al., arXiv:2308.01825 (RFT).
+    """
+    c = self.config
+    examples, responses, rewards, finished = self._last_samples
+    n = c.rl.samples_per_prompt
+    rows = rft.select_best_of_k(rewards, n, c.data.rft_min_reward, finished)
+    out = rft.best_of_k_metrics(rewards, rows, n)
+    if rows.size == 0:
+      return out
+    if self._rft_step is None:
+      self._rft_step = sft.make_sft_step(self.model_config, self.optimizer, c.learner.micro_batches)
+    batch = rft.rft_batch([self.encode_prompt(e.prompt) for e in examples], responses, rows, self.tokenizer.eos_id,
+                          self.tokenizer.pad_id, c.model.max_position_embeddings,
+                          num_rows=max(c.rl.prompts_per_step, len(examples)))
+    train, m = self._rft_step(self._state.train, batch)
+    self._state = self._state.replace(train=train)
+    out.update({f"rft/{k}": v for k, v in m.items()})
+    return out
+
+  def _apply_control(self) -> None:
+    """Writes the controller's clip scale and KL coefficient into the objective state."""
+    st = self.controller.state
+    obj = self._state.objective
+    keys = O.control_keys(obj)
+    if control.CLIP_KEY in keys:
+      obj = O.set_control(obj, control.CLIP_KEY, st.clip_scale)
+    if st.kl_coef is not None and control.KL_KEY in keys:
+      obj = O.set_control(obj, control.KL_KEY, st.kl_coef / self.config.objective.kl_coef)
+    self._state = self._state.replace(objective=obj)
+
+  def guard_check(self) -> dict:
+    """Evaluates the guard's held-out prompts; rolls back to the last good version on a regression."""
+    g = self.config.guard
+    correct = self.greedy_correct(list(self.guard_set.examples))
+    verdict = self.guard.judge(self.progress.rl_step, float(correct.mean()), int(correct.size))
+    print(verdict.message(self.progress.rl_step))
+    out = {"guard/accuracy": verdict.accuracy, "guard/rolled_back": float(verdict.rollback)}
+    if verdict.rollback:
+      good_train, good_objective = self._state.good
+      version = self._state.train.policy_version + 1  # versions stay monotone for the samplers
+      opt_state = builders.optim.set_lr_scale(
+          good_train.opt_state, builders.optim.get_lr_scale(good_train.opt_state) * g.lr_shrink)
+      train = good_train.replace(opt_state=opt_state, policy_version=version)
+      self._state = self._state.replace(train=train, objective=good_objective)
+      if self.controller is not None:
+        self.controller.shrink_clip(g.clip_shrink)
+        self._apply_control()
+      log.warning("guard rolled back to the version of RL step %d; learning-rate scale now %.3g",
+                  self.guard.state.good_step, builders.optim.get_lr_scale(opt_state))
+    else:
+      self._state = self._state.replace(good=(self._state.train, self._state.objective))
+    out["optimizer/lr_scale"] = builders.optim.get_lr_scale(self._state.train.opt_state)
+    out.update(self.guard.metrics())
+    return out
+
   # ------------------------------------------------------------------ whole run
 
   def train(self) -> dict:
     c = self.config
     start = time.time()
-    mw = writers.MetricsWriter(self.run_dir, c.sft.steps + c.rl.steps, description=c.name,
+    mw = writers.MetricsWriter(self.out_dir, c.sft.steps + c.rl.steps, description=c.name,
                                progress=c.log.progress, tensorboard=c.log.tensorboard)
     try:
       if self.progress.phase == "sft":
@@ -374,6 +696,8 @@ class Run:
         mw.write(0, self.progress.warm_start)
         if self.uses_ref:
           self._state = self._state.replace(ref_params=jax.tree.map(jnp.copy, self._state.train.params))
+        if self.guard is not None:  # the warm start is the first good version
+          mw.write(0, self.guard_check())
         self.progress.phase = "rl"
         self._save(force=True)
       if self.progress.phase == "rl":
@@ -390,12 +714,14 @@ class Run:
   def _finish(self, final: dict, seconds: float, mw: writers.MetricsWriter) -> dict:
     c = self.config
     records = writers.read_jsonl(mw.jsonl_path)
-    plot = writers.plot_curves([r for r in records if r["step"] >= 0], os.path.join(self.run_dir, "curves.png"),
+    plot = writers.plot_curves([r for r in records if r["step"] >= 0], os.path.join(self.out_dir, "curves.png"),
                                ["reward/mean", "eval/accuracy"], title=c.name)
     export_dir = None
     if c.export.hf:
-      export_dir = bridge.export_hf_checkpoint(self.params, self.model_config, os.path.join(self.run_dir, "hf_export"),
-                                               tokenizer=self.tokenizer)
+      params = multihost.to_host(self.params)  # every process takes part in gathering; process 0 writes
+      if multihost.is_main_process():
+        export_dir = bridge.export_hf_checkpoint(params, self.model_config, os.path.join(self.run_dir, "hf_export"),
+                                                 tokenizer=self.tokenizer)
     warm = self.progress.warm_start or {}
     summary = {
         "name": c.name,
@@ -405,12 +731,15 @@ class Run:
         "sft_steps": self.progress.sft_step,
         "rl_steps": self.progress.rl_step,
         "skipped_updates": self.progress.skipped_updates,
+        "alerts": dict(self.progress.alerts),
+        "guard_rollbacks": self.guard.state.rollbacks if self.guard is not None else 0,
+        "controller": self.controller.get_state() if self.controller is not None else None,
         "wall_clock_s": seconds,
         "run_dir": self.run_dir,
         "outputs": {"metrics": mw.jsonl_path, "tensorboard": mw.tb_dir, "plot": plot,
                     "hf_export": export_dir, "checkpoints": self.checkpointer.directory},
     }
-    with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+    with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     print(f"\n{c.name}: held-out greedy accuracy {summary['warm_start_accuracy'] or 0:.3f} after the warm start "
           f"-> {summary['final_accuracy']:.3f} after {summary['rl_steps']} RL steps "
@@ -506,6 +835,25 @@ def _place_on_mesh(tree: Any, mesh) -> Any:
     return jax.device_put(x, replicated)
 
   return jax.tree.map(place, tree)
+
+
+def _make_controller(config: ml_collections.ConfigDict) -> Optional[control.OffPolicyController]:
+  cc = config.control
+  if not cc.enabled:
+    return None
+  settings = control.ControlSettings(
+      drift_target=cc.drift_target, staleness_target=cc.staleness_target, tolerance=cc.tolerance,
+      tighten=cc.tighten, relax=cc.relax, min_clip_scale=cc.min_clip_scale, max_clip_scale=cc.max_clip_scale,
+      max_lag=config.rollout.max_lag if config.rollout.mode == "pipeline" else 0,
+      min_lag=min(cc.min_lag, config.rollout.max_lag if config.rollout.mode == "pipeline" else 0),
+      kl_target=cc.kl_target, kl_horizon=cc.kl_horizon)
+  return control.OffPolicyController(settings, kl_coef=config.objective.kl_coef)
+
+
+def _guard_settings(config: ml_collections.ConfigDict) -> guard_lib.GuardSettings:
+  g = config.guard
+  return guard_lib.GuardSettings(every=g.every, eval_size=g.eval_size, min_drop=g.min_drop, z=g.z,
+                                 lr_shrink=g.lr_shrink, clip_shrink=g.clip_shrink, max_rollbacks=g.max_rollbacks)
 
 
 def _sft_optimizer(config: ml_collections.ConfigDict):

@@ -70,3 +70,24 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_divisor(mesh: Mesh) -> int:
   """Number of shards the batch axis is split into."""
   return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def check_grad_atoms(mesh: Mesh, atoms: int, batch_axes: Sequence[str] = BATCH_AXES) -> int:
+  """Checks that every device of ``mesh`` can hold whole gradient atoms; returns atoms per device.
+
+  Batch-invariant mode (``learner/update.py``) cuts the batch into ``atoms``
+  equal atoms and sums their gradients by a pairwise tree, the lower levels
+  on each device: so ``atoms`` must be a power of two and a multiple of the
+  number of batch shards (``data * fsdp``).
+
+  Raises:
+    ValueError: naming ``learner.grad_atoms`` and ``learner.mesh``.
+  """
+  shards = int(np.prod([mesh.shape[a] for a in batch_axes if a in mesh.axis_names]))
+  if atoms < 1 or atoms & (atoms - 1):
+    raise ValueError(f"learner.grad_atoms={atoms}: expected a power of two (the gradient tree is pairwise)")
+  if atoms % shards:
+    raise ValueError(f"learner.grad_atoms={atoms}: expected a multiple of the mesh's batch shards "
+                     f"{'*'.join(batch_axes)}={shards} (learner.mesh={dict(mesh.shape)}); every device "
+                     "holds whole atoms")
+  return atoms // shards

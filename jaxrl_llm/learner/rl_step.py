@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.sharding import Mesh
 
 from jaxrl_llm import models, objectives as O
 from jaxrl_llm.learner import update
@@ -123,6 +124,8 @@ class RLStepSpec:
     use_entropy: compute per-token entropy (entropy bonus).
     critic: the critic's ModelConfig (value head) or None.
     train_actor: False during critic warm-up (actor frozen).
+    grad_atoms: 0 for the default path; A > 0 for the batch-invariant path
+      (``update.accumulate_atoms`` over A atoms; needs ``mesh`` in make_rl_step).
   """
 
   model: ModelConfig
@@ -133,6 +136,7 @@ class RLStepSpec:
   use_entropy: bool = False
   critic: Optional[ModelConfig] = None
   train_actor: bool = True
+  grad_atoms: int = 0
 
 
 def _partials(spec: RLStepSpec, objective: O.ObjectiveTransform, params: Any, critic_params: Any,
@@ -152,37 +156,58 @@ def _partials(spec: RLStepSpec, objective: O.ObjectiveTransform, params: Any, cr
     values = (batch.old_values_bt if critic_params is None
               else shifted_values(critic_params, spec.critic, batch.tokens_bt, batch.seq_mask_bt))
     critic_fields = dict(values_bt=values, old_values_bt=batch.old_values_bt, returns_bt=batch.returns_bt)
-  return O.per_example_partials(
+  partials, new_state = O.per_example_partials(
       objective, logp_bt, mask_bt=batch.response_mask_bt, advantages_bt=batch.advantages_bt,
       behaviour_logp_bt=batch.behaviour_logp_bt, state=obj_state,
       ref_logp_bt=batch.ref_logp_bt if spec.use_ref else None, lag_bt=batch.lag_bt,
       entropy_bt=entropy_bt, group_size=spec.group_size, **critic_fields)
+  return partials, new_state, logp_bt
 
 
 def make_rl_step(spec: RLStepSpec, objective: O.ObjectiveTransform, optimizer: optax.GradientTransformation,
-                 critic_optimizer: Optional[optax.GradientTransformation] = None):
+                 critic_optimizer: Optional[optax.GradientTransformation] = None, mesh: Optional[Mesh] = None):
   """Returns a jitted ``step(state, obj_state, batch) -> (state, obj_state, metrics)``.
 
   Metrics: the objective's (loss, clip fractions, ratio statistics, KL
   estimates, ESS, masked share, ...), ``grad_norm``,
-  ``update/skipped_nonfinite`` and, with a critic, ``critic/grad_norm``.
+  ``update/skipped_nonfinite`` and, with a critic, ``critic/grad_norm``; plus
+  ``logp_bt`` (float32 [B, T]), the learner's log-probabilities of the batch
+  under the parameters *before* the update (pi_k), which the loop's
+  consistency check and off-policy diagnostics read (it is popped from the
+  metrics before logging).
+
+  With ``spec.grad_atoms`` the step is batch invariant on ``mesh`` (same bits
+  for any micro-batch count, mesh layout and process count; see
+  :mod:`jaxrl_llm.learner.update`) and keeps the state's shardings.
   """
   if spec.critic is not None and critic_optimizer is None:
     raise ValueError("make_rl_step: a critic needs critic_optimizer")
+  if spec.grad_atoms and mesh is None:
+    raise ValueError("make_rl_step: spec.grad_atoms > 0 (batch-invariant path) needs the learner mesh")
 
   def loss_fn(trainable, mb, normaliser, obj_state):
     params, critic_params = trainable
-    partials, new_state = _partials(spec, objective, params, critic_params, mb, obj_state)
-    return O.micro_batch_loss(partials, normaliser), (partials, new_state)
+    partials, new_state, logp_bt = _partials(spec, objective, params, critic_params, mb, obj_state)
+    return O.micro_batch_loss(partials, normaliser), (partials, new_state, jax.lax.stop_gradient(logp_bt))
 
-  @jax.jit
-  def step(state: TrainState, obj_state: Any, batch: RLBatch):
+  def normaliser_fn(batch, obj_state):
     # Denominators do not depend on the parameters: evaluate them once, forward-free.
-    partials0, _ = _partials(spec, objective, None, None, batch, obj_state, logp_bt=batch.behaviour_logp_bt)
-    normaliser = O.loss_normaliser(partials0)
+    partials0, _, _ = _partials(spec, objective, None, None, batch, obj_state, logp_bt=batch.behaviour_logp_bt)
+    return O.loss_normaliser(partials0)
+
+  def gradients(state: TrainState, obj_state: Any, batch: RLBatch):
+    normaliser = update.replicated(normaliser_fn, mesh)(batch, obj_state)
+    return update.accumulate_atoms(loss_fn, (state.params, state.critic_params), batch, spec.grad_atoms, mesh,
+                                   normaliser, obj_state)
+
+  def step(state: TrainState, obj_state: Any, batch: RLBatch):
     trainable = (state.params, state.critic_params)
-    loss, grads, (partials, new_states) = update.accumulate(
-        loss_fn, trainable, batch, spec.micro_batches, normaliser, obj_state)
+    normaliser = normaliser_fn(batch, obj_state)
+    loss, grads, aux = update.accumulate(loss_fn, trainable, batch, spec.micro_batches, normaliser, obj_state)
+    return finish(state, loss, grads, aux)
+
+  def finish(state: TrainState, loss, grads, aux):
+    partials, new_states, logp_mbt = aux
     new_obj_state = jax.tree.map(lambda x: x[-1], new_states)
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), partials)
     _, metrics = O.finalize(flat)
@@ -195,6 +220,9 @@ def make_rl_step(spec: RLStepSpec, objective: O.ObjectiveTransform, optimizer: o
                                                         critic_grads, loss, critic_optimizer)
       state = state.replace(critic_params=cparams, critic_opt_state=copt)
       metrics.update({f"critic/{k}": v for k, v in cmetrics.items()})
+    metrics["logp_bt"] = logp_mbt.reshape((-1,) + logp_mbt.shape[2:])
     return state, new_obj_state, metrics
 
-  return step
+  if spec.grad_atoms:
+    return update.invariant_step(gradients, finish, mesh)
+  return jax.jit(step)

@@ -9,13 +9,14 @@ update.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.sharding import Mesh
 
 from jaxrl_llm import models, reduce
 from jaxrl_llm.learner import update
@@ -74,16 +75,38 @@ def sft_loss(params, batch: SftBatch, num_target_tokens: jax.Array, config: Mode
   return reduce.safe_div(nll, num_target_tokens), {"nll_sum": nll}
 
 
-def make_sft_step(config: ModelConfig, optimizer: optax.GradientTransformation, micro_batches: int = 1):
-  """Returns a jitted ``step(state, batch) -> (state, metrics)``."""
-  loss_fn = functools.partial(sft_loss, config=config)
+def make_sft_step(config: ModelConfig, optimizer: optax.GradientTransformation, micro_batches: int = 1,
+                  grad_atoms: int = 0, mesh: Optional[Mesh] = None):
+  """Returns a jitted ``step(state, batch) -> (state, metrics)``.
 
-  @jax.jit
-  def step(state: TrainState, batch: SftBatch):
-    count = reduce.token_count(batch.target_mask_bt)
-    loss, grads, _ = update.accumulate(loss_fn, state.params, batch, micro_batches, count)
+  Args:
+    config: the policy's ModelConfig.
+    optimizer: the SFT optimizer.
+    micro_batches: gradient-accumulation splits (default path).
+    grad_atoms: 0 for the default path; A > 0 for the batch-invariant path
+      (``update.accumulate_atoms`` over A atoms on ``mesh``; same bits for any
+      micro-batch count, mesh layout and process count).
+    mesh: the learner mesh (needed with ``grad_atoms``).
+  """
+  loss_fn = functools.partial(sft_loss, config=config)
+  if grad_atoms and mesh is None:
+    raise ValueError("make_sft_step: grad_atoms > 0 (batch-invariant path) needs the learner mesh")
+
+  def finish(state: TrainState, grads, loss, count):
     state, metrics = update.apply_policy_update(state, grads, loss, optimizer)
     metrics.update({"sft/loss": loss, "sft/target_tokens": count})
     return state, metrics
 
-  return step
+  def gradients(state: TrainState, batch: SftBatch):
+    count = update.replicated(reduce.token_count, mesh)(batch.target_mask_bt)
+    loss, grads, _ = update.accumulate_atoms(loss_fn, state.params, batch, grad_atoms, mesh, count)
+    return grads, loss, count
+
+  def step(state: TrainState, batch: SftBatch):
+    count = reduce.token_count(batch.target_mask_bt)
+    loss, grads, _ = update.accumulate(loss_fn, state.params, batch, micro_batches, count)
+    return finish(state, grads, loss, count)
+
+  if grad_atoms:
+    return update.invariant_step(gradients, finish, mesh)
+  return jax.jit(step)

@@ -24,8 +24,9 @@ data-parallel layout. See docs/objectives.md.
 
 from jaxrl_llm.objectives import recipes
 from jaxrl_llm.objectives.aggregation import AGGREGATIONS, aggregate, aggregation_partials
-from jaxrl_llm.objectives.base import (CountState, EmptyState, ObjectiveTransform, chain,
-                                       scheduled, stateless)
+from jaxrl_llm.objectives.base import (Controlled, ControlledState, CountState, EmptyState,
+                                       ObjectiveTransform, chain, control_keys, get_control,
+                                       scheduled, set_control, stateless)
 from jaxrl_llm.objectives.importance import (LEVELS, masked_is, segment_is, segment_sums,
                                              staleness_filter, truncated_is)
 from jaxrl_llm.objectives.loss import (Partials, batch_fields, concat_partials, finalize,
@@ -40,7 +41,8 @@ from jaxrl_llm.objectives.regularizers import (KL_ESTIMATORS, critic_warmup, ent
 from jaxrl_llm.objectives.stats import DEFAULT_QUANTILES, masked_quantiles
 
 __all__ = [
-    "AGGREGATIONS", "CountState", "DEFAULT_QUANTILES", "EmptyState", "KL_ESTIMATORS", "LEVELS",
+    "AGGREGATIONS", "Controlled", "ControlledState", "CountState", "control_keys", "get_control",
+    "set_control", "DEFAULT_QUANTILES", "EmptyState", "KL_ESTIMATORS", "LEVELS",
     "ObjectiveTransform", "Partials", "RECIPES", "TokenRecord", "aggregate",
     "aggregation_partials", "batch_fields", "chain", "cispo", "clipped_objective",
     "concat_partials", "critic_warmup", "decoupled", "dual_clip", "entropy_bonus", "finalize",

@@ -14,6 +14,14 @@ hyper-parameter may instead be a schedule ``count -> value`` (e.g.
 that counts its updates, the analogue of ``optax.scale_by_schedule``. A
 schedule is validated by its value at count 0.
 
+A hyper-parameter may also be :class:`Controlled`: its value is ``base *
+scale`` where ``scale`` lives in the transform's state (a
+:class:`ControlledState`) and is set from outside between optimiser steps by
+:func:`set_control` (the off-policy controller of
+:mod:`jaxrl_llm.diagnostics.control` tightens the clip range this way). Because
+the scale is state, a controlled run neither recompiles when it changes nor
+loses it on resume: it is checkpointed with the objective state.
+
 Contract for state: a transform's new state may depend only on its old state
 and hyper-parameters, never on batch statistics, so every micro-batch of an
 optimiser step returns the same new state and micro-batching cannot change it.
@@ -28,7 +36,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Hyper = Union[float, Callable[[jax.Array], Any]]
+class Controlled(NamedTuple):
+  """A hyper-parameter whose value is ``base * scale[key]``, the scale set between steps.
+
+  Attributes:
+    base: the value at scale 1 (what the recipe would use uncontrolled).
+    key: name of the scale in the state, shared by every hyper-parameter that
+      uses it (e.g. ``"clip"`` for eps_low and eps_high together).
+  """
+  base: float
+  key: str
+
+
+Hyper = Union[float, Controlled, Callable[[jax.Array], Any]]
 
 
 class ObjectiveTransform(NamedTuple):
@@ -44,6 +64,17 @@ class EmptyState(NamedTuple):
 class CountState(NamedTuple):
   """Number of updates applied so far (int32 scalar)."""
   count: jax.Array
+
+
+class ControlledState(NamedTuple):
+  """State of a transform with :class:`Controlled` hyper-parameters.
+
+  Attributes:
+    count: int32 scalar, updates applied so far (for schedules).
+    scales: dict key -> float32 scalar, the current scale of each controlled key.
+  """
+  count: jax.Array
+  scales: dict
 
 
 def chain(*transforms: ObjectiveTransform) -> ObjectiveTransform:
@@ -90,22 +121,81 @@ def stateless(fn: Callable[[Any], Any]) -> ObjectiveTransform:
 def scheduled(fn: Callable[..., Any], **hypers: Hyper) -> ObjectiveTransform:
   """Wraps ``fn(record, **hypers) -> record``; callable hypers are schedules of the count.
 
-  With no schedule among ``hypers`` the transform is stateless; otherwise its
-  state is a :class:`CountState` and each update evaluates the schedules at the
-  current count, then increments it.
+  With neither a schedule nor a :class:`Controlled` value among ``hypers`` the
+  transform is stateless. With schedules only, its state is a
+  :class:`CountState`; each update evaluates the schedules at the current
+  count, then increments it. With a :class:`Controlled` value the state is a
+  :class:`ControlledState` holding the count and the scale of each controlled
+  key (1.0 at init).
   """
-  if not any(callable(h) for h in hypers.values()):
+  controlled = sorted({h.key for h in hypers.values() if isinstance(h, Controlled)})
+  if not controlled and not any(callable(h) for h in hypers.values()):
     return stateless(lambda record: fn(record, **hypers))
+
+  def value(h, state):
+    if isinstance(h, Controlled):
+      return h.base * state.scales[h.key]
+    return h(state.count) if callable(h) else h
 
   def init(params):
     del params
-    return CountState(jnp.zeros([], jnp.int32))
+    count = jnp.zeros([], jnp.int32)
+    if controlled:
+      return ControlledState(count, {k: jnp.ones([], jnp.float32) for k in controlled})
+    return CountState(count)
 
   def update(record, state):
-    values = {k: (h(state.count) if callable(h) else h) for k, h in hypers.items()}
-    return fn(record, **values), CountState(state.count + 1)
+    values = {k: value(h, state) for k, h in hypers.items()}
+    return fn(record, **values), state._replace(count=state.count + 1)
 
   return ObjectiveTransform(init, update)
+
+
+def _is_controlled_state(x: Any) -> bool:
+  return isinstance(x, ControlledState)
+
+
+def control_keys(state: Any) -> set[str]:
+  """The controlled keys present anywhere in an objective state."""
+  found: set[str] = set()
+  for leaf in jax.tree.leaves(state, is_leaf=_is_controlled_state):
+    if isinstance(leaf, ControlledState):
+      found.update(leaf.scales)
+  return found
+
+
+def get_control(state: Any, key: str) -> float:
+  """The current scale of controlled ``key`` (host float); KeyError naming it if absent."""
+  for leaf in jax.tree.leaves(state, is_leaf=_is_controlled_state):
+    if isinstance(leaf, ControlledState) and key in leaf.scales:
+      return float(np.asarray(leaf.scales[key]))
+  raise KeyError(f"objective state has no controlled hyper-parameter {key!r} "
+                 f"(controlled keys: {sorted(control_keys(state))})")
+
+
+def set_control(state: Any, key: str, scale: float) -> Any:
+  """Returns ``state`` with the scale of controlled ``key`` set everywhere it appears.
+
+  The new leaf keeps the old leaf's dtype and sharding, so a jitted step does
+  not recompile. KeyError naming ``key`` if no transform is controlled by it.
+  """
+  if key not in control_keys(state):
+    raise KeyError(f"objective state has no controlled hyper-parameter {key!r} "
+                   f"(controlled keys: {sorted(control_keys(state))})")
+  if not math.isfinite(scale) or scale <= 0:
+    raise ValueError(f"set_control: scale for {key!r} must be finite and > 0; got {scale}")
+
+  def replace(leaf):
+    if not isinstance(leaf, ControlledState) or key not in leaf.scales:
+      return leaf
+    old = leaf.scales[key]
+    new = jnp.asarray(scale, old.dtype)
+    sharding = getattr(old, "sharding", None)
+    if sharding is not None:
+      new = jax.device_put(new, sharding)
+    return leaf._replace(scales={**leaf.scales, key: new})
+
+  return jax.tree.map(replace, state, is_leaf=_is_controlled_state)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -113,6 +203,8 @@ def scheduled(fn: Callable[..., Any], **hypers: Hyper) -> ObjectiveTransform:
 
 def value_at_zero(h: Hyper) -> float:
   """The float value of a hyper-parameter (a schedule is evaluated at count 0)."""
+  if isinstance(h, Controlled):
+    return float(h.base)
   v = h(0) if callable(h) else h
   return float(np.asarray(v))
 

@@ -225,7 +225,7 @@ def geppo_adaptive(eps: Hyper = 0.2, *,
 
   References:
     Queeney, Paschalidis, Cassandras, Generalized Proximal Policy Optimization
-    with Sample Reuse, arXiv:2111.02097; project seed document (clip window
+    with Sample Reuse, arXiv:2111.00072; project seed document (clip window
     ``[rho_k - eps, rho_k + eps]``).
   """
   check_hyper("geppo_adaptive", "eps", eps, gt=0.0)

@@ -15,7 +15,7 @@ recipe              chain                                                  arXiv
 ``cispo``           cispo(eps_high), token mean                            2506.13585
 ``gspo``            gspo(3e-4 / 4e-4), seq-mean-token-mean                 2507.18071
 ``decoupled_ppo``   decoupled(0.2), token mean                             2110.00641
-``geppo``           geppo_adaptive(0.2), token mean                        2111.02097
+``geppo``           geppo_adaptive(0.2), token mean                        2111.00072
 ==================  =====================================================  ==========
 """
 
@@ -125,7 +125,7 @@ def geppo(eps: Hyper = 0.2, *, aggregation: str = "token_mean") -> ObjectiveTran
   """GePPO-style: clip window [rho_k - eps, rho_k + eps] around rho_k = pi_k / mu.
 
   References:
-    Queeney, Paschalidis, Cassandras, arXiv:2111.02097.
+    Queeney, Paschalidis, Cassandras, arXiv:2111.00072.
   """
   return chain(policy.geppo_adaptive(eps), aggregate(aggregation))
 

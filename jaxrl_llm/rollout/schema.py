@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from jaxrl_llm.bridge.fingerprint import Fingerprint, check_fingerprints
-from jaxrl_llm.types import Trajectory
+from jaxrl_llm.types import Trajectory, concat_trajectories
 
 SCHEMA_VERSION = 1
 """Bumped whenever a field of RolloutChunk or its meaning changes."""
@@ -169,26 +169,5 @@ def concat_chunks(chunks: Sequence[RolloutChunk], pad_id: int) -> tuple[Trajecto
   """
   if not chunks:
     raise ValueError("concat_chunks: no chunks")
-  width = max(np.asarray(c.trajectory.tokens_bt).shape[1] for c in chunks)
-
-  def stack(name, fill):
-    parts = []
-    for c in chunks:
-      a = np.asarray(getattr(c.trajectory, name))
-      parts.append(np.pad(a, [(0, 0), (0, width - a.shape[1])], constant_values=fill))
-    return np.concatenate(parts, 0)
-
-  groups, offset = [], 0
-  for c in chunks:
-    g = np.asarray(c.trajectory.group_id_b)
-    groups.append(g - g.min() + offset if g.size else g)
-    offset = (groups[-1].max() + 1) if g.size else offset
-  traj = Trajectory(
-      tokens_bt=stack("tokens_bt", pad_id).astype(np.int32), prompt_mask_bt=stack("prompt_mask_bt", False),
-      response_mask_bt=stack("response_mask_bt", False),
-      behaviour_logp_bt=stack("behaviour_logp_bt", 0.0).astype(np.float32),
-      policy_version_bt=stack("policy_version_bt", -1).astype(np.int32),
-      group_id_b=np.concatenate(groups).astype(np.int32),
-      rewards_b=np.concatenate([np.asarray(c.trajectory.rewards_b) for c in chunks]).astype(np.float32),
-      finished_b=np.concatenate([np.asarray(c.trajectory.finished_b) for c in chunks]).astype(bool))
+  traj = concat_trajectories([c.trajectory for c in chunks], pad_id)
   return traj, [list(r) for c in chunks for r in c.response_tokens]

@@ -24,3 +24,13 @@ __all__ = [
     "extract_answer", "get_task", "group_examples", "list_tasks", "parse_expression",
     "parse_number", "register_task", "split_fraction", "verify",
 ]
+
+# Data curation (pass rates, retirement, prioritised / curriculum sampling, dynamic sampling).
+from jaxrl_llm.tasks.curation import (CollectedGroups, CuratedPromptSource, CurationConfig,  # noqa: E402
+                                      InformativeGroupCollector, PassRateTracker, default_difficulty,
+                                      prompt_key, zero_variance_groups)
+
+__all__ += [
+    "CollectedGroups", "CuratedPromptSource", "CurationConfig", "InformativeGroupCollector",
+    "PassRateTracker", "default_difficulty", "prompt_key", "zero_variance_groups",
+]
