@@ -80,11 +80,11 @@ def time_to_target(records: list[dict], target: float) -> dict:
 
 
 def _worker(a: argparse.Namespace) -> dict:
-  from jaxrl_llm.learner import loop
+  from jaxrl_llm import jobs
 
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
-    summary = loop.train(_config(tmp, a.worker, a.steps, a.eval_every))
+    summary = jobs.run(_config(tmp, a.worker, a.steps, a.eval_every))
     wall = time.perf_counter() - t0
     records = [json.loads(l) for l in open(os.path.join(tmp, "metrics.jsonl"))]
   rl = [r for r in records if r["step"] >= 1 and "time/step_s" in r]

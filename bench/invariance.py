@@ -50,7 +50,7 @@ def _step(mode: str, mesh, group_size: int, atoms: int):
   import jax
   from jaxrl_llm import models, objectives as O
   from jaxrl_llm.learner import optim, rl_step
-  from jaxrl_llm.learner.loop import _place_on_mesh
+  from jaxrl_llm.jobs.base import place_on_mesh
   from jaxrl_llm.learner.state import create_train_state
   from jaxrl_llm.models.config import ModelConfig
 
@@ -61,7 +61,7 @@ def _step(mode: str, mesh, group_size: int, atoms: int):
       jax.random.PRNGKey(0))
   opt = optim.make_optimizer(1e-4)
   objective = O.RECIPES["grpo"](kl_coef=0.0)
-  state = _place_on_mesh(create_train_state(params, opt, 0), mesh)
+  state = place_on_mesh(create_train_state(params, opt, 0), mesh)
   spec = rl_step.RLStepSpec(model=config, temperature=1.0, group_size=group_size,
                             grad_atoms=atoms if mode == "atoms" else 0)
   return rl_step.make_rl_step(spec, objective, opt, mesh=mesh), state, objective.init(None)

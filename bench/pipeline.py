@@ -59,12 +59,12 @@ def _config(run_dir: str, mode: str, lag: int, samplers: int, steps: int):
 
 
 def _worker(a: argparse.Namespace) -> dict:
-  from jaxrl_llm.learner import loop
+  from jaxrl_llm import jobs
 
   steps = a.warmup + a.steps
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
-    run = loop.Run(_config(tmp, a.mode, a.lag, a.samplers, steps))
+    run = jobs.RLJob(_config(tmp, a.mode, a.lag, a.samplers, steps))
     t_build = time.perf_counter() - t0
     run.train()
     records = [json.loads(l) for l in open(os.path.join(tmp, "metrics.jsonl"))]

@@ -66,8 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   a = p.parse_args(argv)
 
   from configs import ppo_rm_addition, rm_addition
-  from jaxrl_llm.learner import loop
-  from jaxrl_llm.reward_model import train as rm_train
+  from jaxrl_llm import jobs
 
   t_start, load_start = time.perf_counter(), load_average()
   root = os.path.abspath(a.root)
@@ -81,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   if a.rm_steps is not None:
     rm.reward_model.steps = a.rm_steps
   t0 = time.perf_counter()
-  rm_summary = rm_train.train(rm)
+  rm_summary = jobs.run(rm)
   rm_seconds = time.perf_counter() - t0
   export = rm_summary["outputs"]["hf_export"]
   print(f"reward model: held-out pairwise accuracy {rm_summary['initial_pairwise_accuracy']:.3f} -> "
@@ -96,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   if a.rl_steps is not None:
     ppo.rl.steps = a.rl_steps
   t0 = time.perf_counter()
-  rl_summary = loop.train(ppo)
+  rl_summary = jobs.run(ppo)
   rl_seconds = time.perf_counter() - t0
   metrics = rl_summary["outputs"]["metrics"]
   curve = _accuracy_curve(metrics)

@@ -4,11 +4,12 @@ Both sides load the same tiny Qwen2 checkpoint (made here with ``transformers``,
 with a char tokenizer of the addition task, vocabulary 256) and run one GRPO step on
 16 prompts x 8 samples with ``N`` new tokens, every response forced to full length:
 
-* ours: ``jaxrl_llm.learner.loop.Run`` built from ``base_config()`` pointed at the
+* ours: ``jaxrl_llm.jobs.RLJob`` built from ``base_config()`` pointed at the
   checkpoint (``init.hf_checkpoint``), task ``addition``, GRPO recipe. A step is the
-  body of ``Run.run_rl``: ``Run.collect`` (``JaxSampler.generate``, rewards through
-  ``RewardRunner``, group advantages, the ``RLBatch``), the jitted RL step, the
-  non-finite check and ``sampler.update_weights``. The sampler gets
+  job's stages without diagnostics, logging, evaluation and checkpoints: collect
+  (``JaxSampler.generate``), ``RLJob.prepare`` (rewards through ``RewardRunner``, group
+  advantages, the ``RLBatch``), the jitted RL step, the non-finite check and
+  ``sampler.update_weights``. The sampler gets
   ``stop_token_ids=()``, so no token ends a response.
 * TRL: ``GRPOTrainer`` (no vLLM, ``use_cpu``, FP32, ``beta=0``, one generation and
   one optimizer step per step: ``per_device_train_batch_size=128``,
@@ -79,8 +80,7 @@ def make_checkpoint(folder: str) -> None:
 def _ours_worker(a: argparse.Namespace) -> dict:
   import jax
   from jaxrl_llm.configuration import base_config
-  from jaxrl_llm.learner.loop import Run
-  from jaxrl_llm.tasks import PromptSource
+  from jaxrl_llm.jobs import RLJob
 
   c = base_config()
   c.name = "bench_rl_step"
@@ -94,6 +94,7 @@ def _ours_worker(a: argparse.Namespace) -> dict:
   c.rl.samples_per_prompt = SAMPLES_PER_PROMPT
   c.rl.max_new_tokens = a.new_tokens
   c.objective.recipe = "grpo"
+  c.objective.kwargs.kl_coef = 0.0  # TRL's beta=0: no KL term, no reference policy
   c.advantage.estimator = "grpo"
   c.checkpoint.every = 10**6
   c.checkpoint.resume = False
@@ -102,23 +103,24 @@ def _ours_worker(a: argparse.Namespace) -> dict:
   c.log.tensorboard = False
   c.export.hf = False
   t0 = time.perf_counter()
-  run = Run(c)
+  run = RLJob(c)
   setup_s = time.perf_counter() - t0
   # Force full-length responses: no stop token ends a row early.
   run.sampler.config = run.sampler.config.replace(stop_token_ids=())
-  source = PromptSource(run.task, c.rl.prompts_per_step, seed=c.seed, samples_per_prompt=c.rl.samples_per_prompt)
-  step_fn = run._rl_step_fn(True)  # pylint: disable=protected-access
+  source = run.start_source()
+  step_fn = run.update.step_fn(True)
 
   def step() -> dict:
-    # The body of Run.run_rl without logging, evaluation and checkpoints.
+    # The job's stages without diagnostics, logging, evaluation and checkpoints.
     t0 = time.perf_counter()
-    batch, metrics = run.collect(source)
+    batch, metrics = run.prepare(source.collect(run.progress.step))
     t1 = time.perf_counter()
-    train, obj_state, m = step_fn(run._state.train, run._state.objective, batch)  # pylint: disable=protected-access
-    run._state = run._state.replace(train=train, objective=obj_state)  # pylint: disable=protected-access
-    run._track_nonfinite(m)  # pylint: disable=protected-access
-    run.sampler.update_weights(run._state.train.params, int(run._state.train.policy_version))  # pylint: disable=protected-access
-    jax.block_until_ready(run._state.train.params)  # pylint: disable=protected-access
+    train, obj_state, m = step_fn(run.state.train, run.state.objective, batch)
+    run.state = run.state.replace(train=train, objective=obj_state)
+    run.track_nonfinite(m)
+    run.sampler.update_weights(run.params, int(run.state.train.policy_version))
+    jax.block_until_ready(run.params)
+    run.progress.step += 1
     t2 = time.perf_counter()
     return {"step_s": t2 - t0, "sample_s": metrics["time/sample_s"], "collect_s": t1 - t0, "learn_s": t2 - t1,
             "response_length_mean": metrics["response/length_mean"], "reward_mean": metrics["reward/mean"]}
@@ -127,8 +129,7 @@ def _ours_worker(a: argparse.Namespace) -> dict:
   for _ in range(a.warmup - 1):
     step()
   records = [step() for _ in range(a.steps)]
-  run.rewarder.close()
-  run.checkpointer.close()
+  run.close()
   steady = timing_stats([r["step_s"] for r in records])
   return {
       "worker": "ours", "xla_flags": os.environ.get("XLA_FLAGS", ""), "setup_s": setup_s,

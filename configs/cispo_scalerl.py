@@ -11,7 +11,7 @@ from configs.addition_base import addition_config
 def get_config():
   c = addition_config("cispo_scalerl")
   c.objective.recipe = "cispo"
-  c.objective.aggregation = "prompt_mean"
+  c.objective.kwargs.aggregation = "prompt_mean"
   c.advantage.estimator = "dr_grpo"  # group-mean baseline; the std comes from the batch level
   c.advantage.normalization = "batch"
   c.rl.filter_zero_variance = True

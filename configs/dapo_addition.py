@@ -9,8 +9,8 @@ from configs.addition_base import addition_config
 def get_config():
   c = addition_config("dapo_addition")
   c.objective.recipe = "dapo"
-  c.objective.eps_low = 0.2
-  c.objective.eps_high = 0.28
+  c.objective.kwargs.eps_low = 0.2
+  c.objective.kwargs.eps_high = 0.28
   c.advantage.estimator = "grpo"
   c.rl.filter_zero_variance = True
   return c

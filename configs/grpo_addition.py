@@ -13,5 +13,7 @@ from configs.addition_base import addition_config
 def get_config():
   c = addition_config("grpo_addition")
   c.objective.recipe = "grpo"
+  # No KL term (the grpo recipe's default is 0.04): no reference policy is kept.
+  c.objective.kwargs.kl_coef = 0.0
   c.advantage.estimator = "grpo"
   return c

@@ -39,7 +39,7 @@ def get_config():
   c.rl.samples_per_prompt = 8
   c.rl.max_new_tokens = 256
   c.objective.recipe = "grpo"
-  c.objective.kl_coef = 0.001
+  c.objective.kwargs.kl_coef = 0.001
   c.optimizer.lr = 1e-6
   c.optimizer.warmup_steps = 10
   c.eval.every = 50

@@ -12,3 +12,5 @@ Suffixes such as ``_bt`` or ``_b`` on array names state their shape.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__"]

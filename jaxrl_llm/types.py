@@ -1,15 +1,14 @@
-"""Trajectory and batch containers shared by samplers, rollout and the learner.
+"""The trajectory container shared by samplers, rollout and the learner.
 
 Shapes follow the legend in :mod:`jaxrl_llm` (B sequences, T tokens).
 A ``Trajectory`` is what a sampler emits for one batch of prompts; the learner
-turns it into a ``Batch`` by adding advantages and (optionally) reference
-log-probabilities. Both are flax ``struct.dataclass`` pytrees so they pass
-through ``jit`` and can be sharded over the data axis.
+turns it into its own batch (``jaxrl_llm.learner.rl_step.RLBatch``) by adding
+advantages and, optionally, reference log-probabilities and critic targets. It
+is a flax ``struct.dataclass`` pytree, so it passes through ``jit`` and can be
+sharded over the data axis.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import jax
 import numpy as np
@@ -129,23 +128,4 @@ def concat_trajectories(trajectories, pad_id: int) -> Trajectory:
       finished_b=np.concatenate([np.asarray(t.finished_b) for t in trajectories]).astype(bool))
 
 
-@struct.dataclass
-class Batch:
-  """A training batch: a trajectory plus learner-side quantities.
-
-  Attributes:
-    trajectory: the sampled data.
-    advantages_bt: float32 [B, T] per-token advantages (0 outside the response).
-    returns_bt: float32 [B, T] value targets for the critic (PPO path), or zeros.
-    old_values_bt: float32 [B, T] critic values at sampling time (for value clipping).
-    ref_logp_bt: optional float32 [B, T] reference-policy log-probabilities for KL.
-    proximal_logp_bt: optional float32 [B, T] log pi_k under the learner's current
-      weights before the update (decoupled PPO); equals behaviour when on-policy.
-  """
-
-  trajectory: Trajectory
-  advantages_bt: Array
-  returns_bt: Array
-  old_values_bt: Array
-  ref_logp_bt: Optional[Array] = None
-  proximal_logp_bt: Optional[Array] = None
+__all__ = ["Array", "Trajectory", "concat_trajectories"]

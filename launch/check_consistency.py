@@ -36,7 +36,8 @@ _PROMPTS = flags.DEFINE_integer("prompts", 32, "Prompts to sample (x rl.samples_
 def main(argv):
   del argv
   from jaxrl_llm import configuration
-  from jaxrl_llm.learner import consistency_check, loop
+  from jaxrl_llm import jobs
+  from jaxrl_llm.jobs import consistency
   config = _CONFIG.value
   if _RUN_DIR.value:
     config.run_dir = _RUN_DIR.value
@@ -46,8 +47,8 @@ def main(argv):
   except configuration.ConfigError as e:
     raise app.UsageError(str(e)) from None
   logging.set_verbosity(logging.WARNING)
-  run = loop.Run(config)
-  report = consistency_check.check(run, num_prompts=_PROMPTS.value, sampler=_SAMPLER.value)
+  run = jobs.RLJob(config)
+  report = consistency.check(run, num_prompts=_PROMPTS.value, sampler=_SAMPLER.value)
   print(f"consistency check: {report['rows']} rows, {report['tokens']} response tokens, "
         f"policy version {report['policy_version']}, sampler {report['sampler']}")
   for key, value in sorted(report["stats"].items()):
@@ -56,7 +57,7 @@ def main(argv):
     print(f"ALERT: {msg}")
   print("OK: sampler and learner agree" if not report["alerts"] else "FAILED: see the alerts above")
   print(json.dumps({**report, "stats": {k: float(v) for k, v in report["stats"].items()}}))
-  run.checkpointer.close()
+  run.close()
   sys.exit(1 if report["alerts"] else 0)
 
 

@@ -5,11 +5,14 @@ a small decoder learns multi-digit addition on the CPU.
 
   jaxrl-train                                        # the default job
   jaxrl-train --config=configs/ppo_addition.py       # another recipe
-  jaxrl-train --config.objective.eps_high=0.28 --config.rl.steps=50
+  jaxrl-train --config=configs/dapo_addition.py --config.objective.kwargs.eps_high=0.3 --config.rl.steps=50
   jaxrl-train --config=configs/rm_addition.py        # a reward model (config.job="reward_model")
 
-Every config field can be overridden as ``--config.<path>=<value>``; the whole
-config is validated before anything starts.
+Every config field can be overridden as ``--config.<path>=<value>``, and a recipe or
+task argument added as ``--config.objective.kwargs.<name>=<value>`` /
+``--config.task.kwargs.<name>=<value>`` (only these two mappings accept new keys; a
+misspelt field elsewhere is an error); the whole config is validated before anything
+starts (docs/config.md lists every field, recipe argument and task argument).
 
 A multi-host learner runs this same command once per process, with
 ``--num_processes=N --process_id=i --coordinator_address=host:port`` (or the
@@ -28,7 +31,11 @@ from ml_collections import config_flags
 import configs
 
 _DEFAULT = os.path.join(os.path.dirname(configs.__file__), "grpo_addition.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Path to a configs/*.py file.", lock_config=True)
+# The config files return base_config()'s locked ConfigDict, whose only open parts are
+# task.kwargs and objective.kwargs: accept_new_attributes lets a flag add a key there,
+# and a new key anywhere else still fails (lock_config=True would lock the kwargs too).
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Path to a configs/*.py file.", lock_config=False,
+                                          accept_new_attributes=True)
 _RUN_DIR = flags.DEFINE_string("run_dir", None, "Overrides config.run_dir.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0 of a multi-process learner (default: $JAXRL_COORDINATOR).")
@@ -45,7 +52,7 @@ def main(argv):
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  from jaxrl_llm.learner import loop
+  from jaxrl_llm import jobs
   config = _CONFIG.value
   if _RUN_DIR.value:
     config.run_dir = _RUN_DIR.value
@@ -54,11 +61,7 @@ def main(argv):
   except configuration.ConfigError as e:
     raise app.UsageError(str(e)) from None
   logging.set_verbosity(logging.WARNING)
-  if config.job == "reward_model":
-    from jaxrl_llm.reward_model import train as reward_model_train
-    reward_model_train.train(config)
-  else:
-    loop.train(config)
+  jobs.run(config)
 
 
 def run():

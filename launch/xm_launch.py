@@ -2,11 +2,11 @@
 
   # XManager (pip install 'jaxrl_llm[xm]'): one xm.JobGroup per point, on the Local executor
   python -m launch.xm_launch --name=eps_sweep --config=configs/grpo_addition.py \
-      --sweep=objective.eps=0.1,0.2 --set=rl.steps=50
+      --sweep=objective.kwargs.eps=0.1,0.2 --set=rl.steps=50
 
   # the same experiment as local processes, without XManager
   python -m launch.xm_launch --backend=local --name=eps_sweep --config=configs/grpo_addition.py \
-      --sweep=objective.eps=0.1,0.2 --set=rl.steps=50
+      --sweep=objective.kwargs.eps=0.1,0.2 --set=rl.steps=50
 
 ``--sweep=path=v1,v2,...`` (repeatable) sweeps a config field; several
 ``--sweep`` flags make their cartesian product. ``--set=path=value``

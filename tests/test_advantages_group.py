@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl_llm import reduce
 from jaxrl_llm.advantages import (
-    drgrpo_advantages,
+    dr_grpo_advantages,
     group_advantages,
     group_zero_variance,
     grpo_advantages,
@@ -32,7 +32,7 @@ def np_group(r, n, estimator, eps=1e-6, ddof=0, valid=None):
       x = float(r[sl][i])
       if estimator == "grpo":
         a = (x - rv.mean()) / (rv.std(ddof=ddof) + eps)
-      elif estimator == "drgrpo":
+      elif estimator == "dr_grpo":
         a = x - rv.mean()
       else:
         a = x - (rv.sum() - x) / (len(rv) - 1)
@@ -50,10 +50,10 @@ def test_grpo_by_hand():
   np.testing.assert_allclose(out1.advantages_b, [0.5, -1.5, 0.5, 0.5], rtol=1e-6)
 
 
-def test_drgrpo_and_rloo_by_hand():
+def test_dr_grpo_and_rloo_by_hand():
   r = jnp.array([3.0, 1.0, 2.0, 10.0, 10.0, 4.0])
   # groups of 3: means 2 and 8.
-  np.testing.assert_allclose(drgrpo_advantages(r, 3).advantages_b, [1, -1, 0, 2, 2, -4])
+  np.testing.assert_allclose(dr_grpo_advantages(r, 3).advantages_b, [1, -1, 0, 2, 2, -4])
   # RLOO: 3 - (1+2)/2 = 1.5; 1 - 2.5 = -1.5; 2 - 2 = 0; 10 - 7 = 3; 3; 4 - 10 = -6.
   np.testing.assert_allclose(rloo_advantages(r, 3).advantages_b, [1.5, -1.5, 0, 3, 3, -6])
 
@@ -63,7 +63,7 @@ def test_zero_variance_groups_are_exact_zero_and_flagged():
   # variance is 3.6e-15, not 0; equality must be tested exactly.
   r = jnp.array([0.8132702] * 3 + [0.3, 0.7, 0.7] + [0.7] * 3, jnp.float32)
   assert reduce.group_moments(r[:3], 3)[1][0] > 0
-  for est in ("grpo", "drgrpo", "rloo"):
+  for est in ("grpo", "dr_grpo", "rloo"):
     out = group_advantages(r, 3, estimator=est)
     np.testing.assert_array_equal(out.zero_variance_g, [True, False, True])
     np.testing.assert_array_equal(out.zero_variance_b, [True] * 3 + [False] * 3 + [True] * 3)
@@ -75,7 +75,7 @@ def test_zero_variance_groups_are_exact_zero_and_flagged():
 def test_invalid_rows_leave_the_statistics():
   r = jnp.array([1.0, 0.0, 123.0, 0.5, 7.0, 7.0, -5.0, 8.0])
   valid = jnp.array([1, 1, 0, 1, 1, 0, 1, 0], bool)
-  out = group_advantages(r, 4, estimator="drgrpo", valid_b=valid)
+  out = group_advantages(r, 4, estimator="dr_grpo", valid_b=valid)
   # group 0 valid {1, 0, 0.5}: mean 0.5; group 1 valid {7, -5}: mean 1.
   np.testing.assert_allclose(out.advantages_b, [0.5, -0.5, 0, 0, 6, 0, -6, 0])
   # one valid sample is a zero-variance group; no valid sample too.
@@ -84,7 +84,7 @@ def test_invalid_rows_leave_the_statistics():
   assert np.all(np.asarray(single.advantages_b) == 0)
 
 
-@pytest.mark.parametrize("estimator,ddof", [("grpo", 0), ("grpo", 1), ("drgrpo", 0),
+@pytest.mark.parametrize("estimator,ddof", [("grpo", 0), ("grpo", 1), ("dr_grpo", 0),
                                             ("rloo", 0)])
 def test_matches_numpy_reference(estimator, ddof):
   rng = np.random.default_rng(0)

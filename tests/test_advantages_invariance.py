@@ -55,9 +55,9 @@ def pipeline(rewards_b, values_bt, logp_bt, ref_bt, mask_bt):
   out["gae_adv"], out["gae_ret"] = gae(rewards_bt, values_bt, mask_bt, gamma=1.0, lam=0.95)
   out["ppo_whiten"] = whiten(out["gae_adv"], mask_bt)
   out["batch_token"] = make_advantage_normalizer("batch")(out["gae_adv"], mask_bt)
-  for est in ("grpo", "drgrpo", "rloo"):
+  for est in ("grpo", "dr_grpo", "rloo"):
     out[est] = group_advantages(rewards_b, N, estimator=est, valid_b=valid_b).advantages_b
-  dr_bt = sequence_to_tokens(out["drgrpo"], mask_bt)
+  dr_bt = sequence_to_tokens(out["dr_grpo"], mask_bt)
   out["group_token"] = make_advantage_normalizer("group", group_size=N)(dr_bt, mask_bt)
   out["group_seq"] = make_advantage_normalizer("group", group_size=N, level="sequence")(
       dr_bt, mask_bt)
@@ -70,7 +70,7 @@ def pipeline(rewards_b, values_bt, logp_bt, ref_bt, mask_bt):
   return out
 
 
-GROUP_LOCAL = ("gae_adv", "gae_ret", "grpo", "drgrpo", "rloo", "group_token", "group_seq")
+GROUP_LOCAL = ("gae_adv", "gae_ret", "grpo", "dr_grpo", "rloo", "group_token", "group_seq")
 run = jax.jit(pipeline)
 
 
@@ -153,7 +153,7 @@ def test_shard_map_global_mode_equals_unsharded_batch_mode(reference, p):
                              check_vma=False))
   _, kl_bt = kl_penalized_rewards(inputs["rewards_b"], inputs["logp_bt"], inputs["ref_bt"],
                                   inputs["mask_bt"], 0.1)
-  dr_bt = sequence_to_tokens(ref["drgrpo"], inputs["mask_bt"])
+  dr_bt = sequence_to_tokens(ref["dr_grpo"], inputs["mask_bt"])
   out = jax.device_get(fn(ref["gae_adv"], dr_bt, inputs["mask_bt"], inputs["rewards_b"], kl_bt))
   for k in out_specs:
     if k != "local":

@@ -22,7 +22,7 @@ def advantages(rewards_b, values_bt, mask_bt):
   out = {"gae": gae(sequence_to_tokens(rewards_b, mask_bt), values_bt, mask_bt, gamma=0.9,
                     lam=0.95)[0]}
   out["whiten"] = whiten(out["gae"], mask_bt)
-  for est in ("grpo", "drgrpo", "rloo"):
+  for est in ("grpo", "dr_grpo", "rloo"):
     seq_b = group_advantages(rewards_b, N, estimator=est, valid_b=valid_b).advantages_b
     out[est] = sequence_to_tokens(seq_b, mask_bt)
   for mode, kw in (("batch", {}), ("group", {"group_size": N})):

@@ -126,9 +126,12 @@ _SESSION: dict = {}  # session fixtures shared with the modules that import them
 
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
-  """One persistent compilation cache for every subprocess of the determinism/multi-host/experiment tests."""
+  """The persistent compilation cache of every subprocess of the determinism/multi-host/experiment tests.
+
+  The user-level cache of ``conftest.py`` (shared across sessions); a session folder when it is off.
+  """
   if "cache" not in _SESSION:
-    _SESSION["cache"] = str(tmp_path_factory.mktemp("jax_cache"))
+    _SESSION["cache"] = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax_cache"))
   return _SESSION["cache"]
 
 
@@ -192,12 +195,13 @@ def _worker(config_path: str, out_dir: str, names: list[str]) -> None:
   import jax
 
   from jaxrl_llm.experiments import apply_overrides, load_config
-  from jaxrl_llm.learner import loop, multihost
+  from jaxrl_llm import jobs
+  from jaxrl_llm.learner import multihost
 
   for name in names:
     start = time.monotonic()
     config = apply_overrides(load_config(config_path), dict(VARIANTS[name], run_dir=os.path.join(out_dir, name)))
-    run = loop.Run(config)
+    run = jobs.RLJob(config)
     run.train()
     flat = jax.tree_util.tree_flatten_with_path(multihost.to_host(run.params))[0]
     np.savez(os.path.join(out_dir, f"{name}.npz"), **{jax.tree_util.keystr(p): v for p, v in flat})
@@ -247,9 +251,35 @@ def test_invariant_runs_are_bitwise_equal_across_repeats_micro_batches_and_meshe
 # ----------------------------------------------------------------------------- SIGKILL + resume
 
 
-def _train_cmd(config: str, run_dir) -> list[str]:
-  return [sys.executable, "-m", "launch.train", f"--config={config}", f"--run_dir={run_dir}",
-          "--config.checkpoint.every=2", "--config.export.hf=true"]
+def _train_args(config: str, run_dir) -> list[str]:
+  return [f"--config={config}", f"--run_dir={run_dir}", "--config.checkpoint.every=2", "--config.export.hf=true"]
+
+
+# ``launch.train`` that SIGKILLs itself when it is about to write the checkpoint of global step
+# KILL_AT: the kill falls at one chosen point of the run, whatever the machine's load (a watcher that
+# polls the checkpoint folder can miss the window, or find a run that has already ended).
+KILL_AT = 6
+KILLING_TRAIN = f'''
+"""launch.train, killed by SIGKILL when the checkpoint of step {KILL_AT} is due (the test's fault injection)."""
+import os
+import signal
+
+from jaxrl_llm.learner import checkpoint
+
+_save = checkpoint.Checkpointer.save
+
+
+def save(self, step, *args, **kwargs):
+  if step == {KILL_AT}:
+    os.kill(os.getpid(), signal.SIGKILL)
+  return _save(self, step, *args, **kwargs)
+
+
+checkpoint.Checkpointer.save = save
+from launch import train  # noqa: E402
+
+train.run()
+'''
 
 
 def exported_params(folder) -> dict:
@@ -262,41 +292,33 @@ def exported_params(folder) -> dict:
 
 
 def test_sigkill_mid_training_then_resume_matches_an_uninterrupted_run(tmp_path, compile_cache, variant_runs):
-  """``launch.train`` killed with SIGKILL after a mid-RL checkpoint, then rerun (it resumes); the
-  uninterrupted reference is the ``base`` variant (same config, same mesh)."""
+  """``launch.train`` killed with SIGKILL two RL steps after a mid-RL checkpoint, then rerun (it
+  resumes); the uninterrupted reference is the ``base`` variant (same config, same mesh)."""
   config = write_config(tmp_path)
   # 8 devices as in the other runs (the flags are part of the compilation-cache key); the mesh uses one
   env = cache_env(compile_cache, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   run_dir = tmp_path / "killed"
-  ckpt = run_dir / "checkpoints"
-  proc = subprocess.Popen(_train_cmd(config, run_dir), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  killed_after = None
-  deadline = time.monotonic() + 600
-  while time.monotonic() < deadline and proc.poll() is None:
-    # SFT takes global steps 1-2, so a checkpoint at step >= 4 lies inside the RL phase
-    steps = [int(d) for d in os.listdir(ckpt) if d.isdigit()] if ckpt.is_dir() else []
-    if any(s >= 4 for s in steps):
-      os.kill(proc.pid, signal.SIGKILL)
-      killed_after = max(steps)
-      break
-    time.sleep(0.05)
-  proc.wait(timeout=60)
-  assert killed_after is not None, "the run ended (or timed out) before a mid-RL checkpoint appeared"
-  assert proc.returncode == -signal.SIGKILL
+  killing = tmp_path / "killing_train.py"
+  killing.write_text(KILLING_TRAIN)
+  killed = subprocess.run([sys.executable, str(killing), *_train_args(config, run_dir)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+  # SFT takes global steps 1-2: the checkpoints of steps 2 and 4 are complete, the one of step 6 never started
+  assert sorted(int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()) == [2, 4]
 
-  resumed = subprocess.run(_train_cmd(config, run_dir), cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=600)
+  resumed = subprocess.run([sys.executable, "-m", "launch.train", *_train_args(config, run_dir)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
   assert resumed.returncode == 0, resumed.stderr[-4000:]
   assert "Resumed from" in resumed.stdout
   restart_step = int(resumed.stdout.split("Resumed from", 1)[1].split("at step ", 1)[1].split()[0]) - 2
-  assert 1 <= restart_step <= 3
+  assert restart_step == 2
 
   want = {r["step"]: r for r in stable_records(variant_runs / "base" / "metrics.jsonl") if r["step"] > 0}
-  # the killed run's file holds the lines of both processes; the resumed process wrote the last ones
+  # the killed run's file holds the lines of both processes (RL steps 1-4, then 3-8); the resumed
+  # process wrote the last ones, among them the steps that the killed one had done past its checkpoint
   got = {r["step"]: r for r in stable_records(run_dir / "metrics.jsonl", tolerate_torn_line=True) if r["step"] > 0}
-  compared = [s for s in want if s >= restart_step + 5]
-  assert compared, (restart_step, sorted(want))
+  compared = [s for s in want if s > restart_step]
+  assert compared == [3, 4, 5, 6, 7, 8], (restart_step, sorted(want))
   for s in compared:
     assert_same_records([got[s]], [want[s]], f"RL step {s} after a SIGKILL at RL step {restart_step}")
   assert_same_arrays(exported_params(run_dir / "hf_export"), dict(np.load(variant_runs / "base.npz")),

@@ -58,7 +58,7 @@ def config_file(tmp_path):
 
 def test_a_sweep_naming_a_missing_field_fails_before_anything_launches(tmp_path, config_file):
   exp = experiments.Experiment(name="bad", config=config_file, root=str(tmp_path / "out"),
-                               sweep=[{"objective.eps": 0.1}, {"objective.epsilon": 0.2}])
+                               sweep=[{"objective.kwargs.eps": 0.1}, {"objective.epsilon": 0.2}])
   with pytest.raises(ConfigError, match=r"work unit 1 .*config field 'objective.epsilon' does not exist"):
     experiments.plan(exp)
   with pytest.raises(ConfigError, match="'objective.epsilon' does not exist"):
@@ -66,7 +66,7 @@ def test_a_sweep_naming_a_missing_field_fails_before_anything_launches(tmp_path,
   assert not (tmp_path / "out").exists(), "nothing may be written or started before every work unit is valid"
   # the same through the command line: a usage error naming the field, nothing launched
   cli = subprocess.run([sys.executable, "-m", "launch.xm_launch", "--backend=local", "--name=bad",
-                        f"--config={config_file}", "--sweep=objective.eps=0.1,0.2", "--set=rl.stepz=3",
+                        f"--config={config_file}", "--sweep=objective.kwargs.eps=0.1,0.2", "--set=rl.stepz=3",
                         f"--root={tmp_path / 'cli'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert cli.returncode != 0
   assert "config field 'rl.stepz' does not exist" in cli.stderr
@@ -87,7 +87,8 @@ def test_values_the_field_cannot_take_are_named(tmp_path, config_file):
 
 def test_local_eps_sweep_writes_each_work_unit_to_its_own_folder(tmp_path, config_file, compile_cache):
   exp = experiments.Experiment(name="eps_sweep", config=config_file, root=str(tmp_path),
-                               overrides={"rl.steps": 2}, sweep=[{"objective.eps": 0.1}, {"objective.eps": 0.3}])
+                               overrides={"rl.steps": 2},
+                               sweep=[{"objective.kwargs.eps": 0.1}, {"objective.kwargs.eps": 0.3}])
   os.environ.update({k: v for k, v in cache_env(compile_cache).items() if k.startswith("JAX_")})
   try:
     results = experiments.run_local(exp, parallel=2, timeout_s=600)
@@ -104,8 +105,8 @@ def test_local_eps_sweep_writes_each_work_unit_to_its_own_folder(tmp_path, confi
     records = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
     assert max(rec["step"] for rec in records) == 2 and any("reward/mean" in rec for rec in records)
     record = json.load(open(os.path.join(d, "work_unit.json")))
-    assert record["ok"] and record["point"] == {"objective.eps": eps}
-    assert f"--config.objective.eps={eps}" in record["jobs"][0]["command"]
+    assert record["ok"] and record["point"] == {"objective.kwargs.eps": eps}
+    assert f"--config.objective.kwargs.eps={eps}" in record["jobs"][0]["command"]
     assert json.load(open(os.path.join(d, "summary.json")))["rl_steps"] == 2
   index = json.load(open(tmp_path / "eps_sweep" / "experiment.json"))
   assert [u["directory"] for u in index["work_units"]] == folders
@@ -113,14 +114,14 @@ def test_local_eps_sweep_writes_each_work_unit_to_its_own_folder(tmp_path, confi
 
 def test_job_specs_of_a_multi_host_work_unit_with_sampler_nodes(tmp_path, config_file):
   exp = experiments.Experiment(name="big", config=config_file, root=str(tmp_path), learner_processes=2,
-                               devices_per_process=4, samplers=2, sweep=[{"objective.eps": 0.2}])
+                               devices_per_process=4, samplers=2, sweep=[{"objective.kwargs.eps": 0.2}])
   (unit,) = experiments.plan(exp)
   jobs = unit.jobs(experiments.Addresses(coordinator="127.0.0.1:7000", ray_head="127.0.0.1:7001"))
   assert [j.name for j in jobs] == ["sampler_0", "sampler_1", "learner_0", "learner_1"]
   assert jobs[0].args[:3] == ("start", "--head", "--port=7001") and "--block" in jobs[0].args
   assert "--address=127.0.0.1:7001" in jobs[1].args
   learner = jobs[3].args
-  for flag in ("--config.objective.eps=0.2", "--config.rollout.mode=pipeline",
+  for flag in ("--config.objective.kwargs.eps=0.2", "--config.rollout.mode=pipeline",
                "--config.rollout.address=127.0.0.1:7001", f"--run_dir={unit.directory}", "--process_id=1",
                "--coordinator_address=127.0.0.1:7000"):
     assert flag in learner, flag
@@ -129,10 +130,9 @@ def test_job_specs_of_a_multi_host_work_unit_with_sampler_nodes(tmp_path, config
 
 def test_launch_scripts_parse_sweeps_into_work_units(config_file):
   from launch import xm_launch
-  exp = xm_launch.build_experiment("s", config_file, ["objective.eps=0.1,0.2", "rl.temperature=0.5,1.0"],
+  exp = xm_launch.build_experiment("s", config_file, ["objective.kwargs.eps=0.1,0.2", "rl.temperature=0.5,1.0"],
                                    ["rl.steps=3", "model.batch_invariant=false"])
-  assert exp.sweep == [{"objective.eps": 0.1, "rl.temperature": 0.5}, {"objective.eps": 0.1, "rl.temperature": 1.0},
-                       {"objective.eps": 0.2, "rl.temperature": 0.5}, {"objective.eps": 0.2, "rl.temperature": 1.0}]
+  assert exp.sweep == [{"objective.kwargs.eps": e, "rl.temperature": t} for e in (0.1, 0.2) for t in (0.5, 1.0)]
   assert exp.overrides == {"rl.steps": 3, "model.batch_invariant": False}
   assert len(experiments.plan(exp)) == 4
 
@@ -152,7 +152,8 @@ def test_xm_job_groups_built_with_the_real_api(tmp_path, config_file):
   from jaxrl_llm.experiments import xm_backend
   x, xm_local = xm_backend.import_xm()
   exp = experiments.Experiment(name="xm", config=config_file, root=str(tmp_path), learner_processes=2,
-                               overrides={"rl.steps": 2}, sweep=[{"objective.eps": 0.1}, {"objective.eps": 0.3}])
+                               overrides={"rl.steps": 2},
+                               sweep=[{"objective.kwargs.eps": 0.1}, {"objective.kwargs.eps": 0.3}])
   units = experiments.plan(exp)
   pk = xm_backend.packageables(x, xm_local, samplers=False)
   assert isinstance(pk["learner"], xm.Packageable) and pk["learner"].executable_spec.path == sys.executable
@@ -164,7 +165,7 @@ def test_xm_job_groups_built_with_the_real_api(tmp_path, config_file):
   job = group.jobs["learner_1"]
   assert isinstance(job, xm.Job) and job.executable is executables["learner"]
   merged = xm.merge_args(job.args, xm_backend.work_unit_args(units[1])["learner_1"]["args"]).to_list()
-  for flag in ("--config.objective.eps=0.3", "--config.rl.steps=2", f"--run_dir={units[1].directory}",
+  for flag in ("--config.objective.kwargs.eps=0.3", "--config.rl.steps=2", f"--run_dir={units[1].directory}",
                "--process_id=1", "--coordinator_address=127.0.0.1:7100"):
     assert flag in merged, (flag, merged)
-  assert "--config.objective.eps=0.1" not in merged
+  assert "--config.objective.kwargs.eps=0.1" not in merged

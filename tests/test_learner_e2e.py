@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-from jaxrl_llm.learner import loop
+from jaxrl_llm import jobs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from configs import grpo_addition  # noqa: E402
@@ -17,7 +17,7 @@ def test_short_main_job_raises_held_out_accuracy(tmp_path):
   c.rl.steps = 50  # of 300
   c.log.progress = False
   c.export.hf = False
-  summary = loop.Run(c).train()
+  summary = jobs.run(c)
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   rl_evals = [r["eval/accuracy"] for r in records if r["step"] > 0 and "eval/accuracy" in r]
   assert len(rl_evals) == 2

@@ -85,7 +85,7 @@ def test_padding_rows_change_neither_loss_nor_gradient():
   prompts_g = [[3, 4, 5], [6, 7], [8]]
   responses = [[9, 10, EOS], [11, EOS], [12, EOS], [13, 14, 15, EOS], [2], [2, EOS]]
   loss_grad = jax.jit(jax.value_and_grad(
-      lambda p, b: sft.sft_loss(p, b, reduce.token_count(b.target_mask_bt), config)[0]))
+      lambda p, b: sft.sft_token_loss(p, b, reduce.token_count(b.target_mask_bt), config)[0]))
   plain = rft.rft_batch(prompts_g, responses, rows, EOS, PAD, 16)
   padded = rft.rft_batch(prompts_g, responses, rows, EOS, PAD, 16, num_rows=4)
   (loss, grads), (loss_p, grads_p) = loss_grad(params, plain), loss_grad(params, padded)

@@ -9,39 +9,13 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxrl_llm import bridge, configuration as C
-from jaxrl_llm.learner import loop
+from jaxrl_llm import bridge, jobs
 
-
-def tiny_config(run_dir, **overrides):
-  c = C.base_config()
-  c.name = "tiny"
-  c.run_dir = str(run_dir)
-  c.model.hidden_size = 32
-  c.model.intermediate_size = 64
-  c.model.num_layers = 1
-  c.model.num_heads = 2
-  c.model.num_kv_heads = 1
-  c.model.max_position_embeddings = 32
-  c.task.kwargs = ml_collections.ConfigDict({"max_digits": 1, "eval_fraction": 0.3})
-  c.task.eval_size = 8
-  c.sft.steps = 3
-  c.sft.batch_size = 8
-  c.rl.steps = 2
-  c.rl.prompts_per_step = 2
-  c.rl.samples_per_prompt = 2
-  c.rl.max_new_tokens = 4
-  c.eval.every = 2
-  c.eval.pass_k = 2
-  c.checkpoint.every = 1
-  c.log.progress = False
-  for path, value in overrides.items():
-    C.override(c, path.replace("__", "."), value)
-  return c
+from tiny_configs import tiny_config
 
 
 def test_run_writes_every_output(tmp_path):
-  summary = loop.train(tiny_config(tmp_path))
+  summary = jobs.run(tiny_config(tmp_path))
   for name in ("metrics.jsonl", "curves.png", "summary.json"):
     assert os.path.isfile(tmp_path / name), name
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
@@ -65,27 +39,27 @@ def _leaves(tree):
 
 
 def test_resume_continues_where_it_stopped_bit_for_bit(tmp_path):
-  straight = loop.Run(tiny_config(tmp_path / "a", rl__steps=4))
+  straight = jobs.RLJob(tiny_config(tmp_path / "a", rl__steps=4))
   straight.train()
-  first = loop.Run(tiny_config(tmp_path / "b", rl__steps=2))
+  first = jobs.RLJob(tiny_config(tmp_path / "b", rl__steps=2))
   first.train()
-  resumed = loop.Run(tiny_config(tmp_path / "b", rl__steps=4))
-  assert resumed.progress.rl_step == 2 and resumed.progress.phase == "done"
+  resumed = jobs.RLJob(tiny_config(tmp_path / "b", rl__steps=4))
+  assert resumed.progress.step == 2 and resumed.progress.phase == "done"
   resumed.progress.phase = "rl"  # asked for more steps than the finished run had
   resumed.train()
-  assert resumed.progress.rl_step == 4
+  assert resumed.progress.step == 4
   for a, b in zip(_leaves(straight.params), _leaves(resumed.params)):
     np.testing.assert_array_equal(a, b)
 
 
 def test_nonfinite_updates_are_skipped_then_the_run_stops(tmp_path):
-  run = loop.Run(tiny_config(tmp_path, learner__max_nonfinite_in_a_row=2, sft__steps=5))
+  run = jobs.RLJob(tiny_config(tmp_path, learner__max_nonfinite_in_a_row=2, sft__steps=5))
   poisoned = jax.tree.map(lambda x: x * jnp.nan, run.params)
-  run._state = run._state.replace(train=run._state.train.replace(params=poisoned))
-  with pytest.raises(loop.NonFiniteError, match="2 consecutive updates had a non-finite"):
-    run.run_sft(_NullWriter())
+  run.set_train_state(run.train_state.replace(params=poisoned))
+  with pytest.raises(jobs.NonFiniteError, match="2 consecutive updates had a non-finite"):
+    run.run_warm_start(_NullWriter(), run.sft_step)
   assert run.progress.skipped_updates == 2
-  assert int(run._state.train.step) == 0  # nothing was applied
+  assert int(run.train_state.step) == 0  # nothing was applied
 
 
 class _NullWriter:
@@ -97,7 +71,7 @@ def test_unwritable_run_folder_fails_before_training(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
   with pytest.raises(OSError, match="run folder .* is not writable"):
-    loop.Run(tiny_config(blocker / "run"))
+    jobs.RLJob(tiny_config(blocker / "run"))
 
 
 def test_dataset_row_missing_its_field_names_file_and_line(tmp_path):
@@ -106,7 +80,7 @@ def test_dataset_row_missing_its_field_names_file_and_line(tmp_path):
   c = tiny_config(tmp_path / "run", task__name="jsonl")
   c.task.kwargs = ml_collections.ConfigDict({"path": str(data)})
   with pytest.raises(ValueError, match=r"data.jsonl:2: .*missing field 'answer'"):
-    loop.Run(c)
+    jobs.RLJob(c)
 
 
 def _tiny_hf_checkpoint(folder, alphabet):
@@ -145,7 +119,7 @@ def test_hf_checkpoint_and_jsonl_dataset_path_end_to_end(tmp_path):
   c.rl.max_new_tokens = 6
   c.eval.pass_k = 2
   c.log.progress = False
-  summary = loop.train(c)
+  summary = jobs.run(c)
   assert summary["rl_steps"] == 2
   export = summary["outputs"]["hf_export"]
   reloaded = bridge.load_hf_params(export)

@@ -679,21 +679,3 @@ def test_exactly_zero_loss_still_has_gradient():
   loss, _, g, _ = run(PPO, x, mask_bt=np.ones_like(x, bool), advantages_bt=a, behaviour_logp_bt=x)
   assert loss == 0.0
   np.testing.assert_array_equal(g, -a / 4)
-
-
-def test_batch_fields_maps_a_batch_and_computes_lag():
-  from jaxrl_llm.types import Batch, Trajectory
-  b, t = 2, 3
-  z = np.zeros((b, t), np.float32)
-  traj = Trajectory(tokens_bt=np.zeros((b, t), np.int32), prompt_mask_bt=np.zeros((b, t), bool),
-                    response_mask_bt=np.ones((b, t), bool), behaviour_logp_bt=z - 1,
-                    policy_version_bt=np.array([[3, 3, 4], [5, 5, 5]], np.int32),
-                    group_id_b=np.zeros(b, np.int32), rewards_b=np.zeros(b, np.float32),
-                    finished_b=np.ones(b, bool))
-  batch = Batch(trajectory=traj, advantages_bt=z + 1, returns_bt=z + 2, old_values_bt=z + 3,
-                ref_logp_bt=z - 2, proximal_logp_bt=None)
-  f = O.batch_fields(batch, current_version=5)
-  np.testing.assert_array_equal(f["lag_bt"], [[2, 2, 1], [0, 0, 0]])
-  assert f["prox_logp_bt"] is None and f["behaviour_logp_bt"] is traj.behaviour_logp_bt
-  assert f["mask_bt"] is traj.response_mask_bt and f["advantages_bt"] is batch.advantages_bt
-  assert "lag_bt" not in O.batch_fields(batch)

@@ -1,14 +1,15 @@
 """Preference data: JSONL validation (file:line), identical pairs, held-out split, chat template,
-built-in addition pairs and pair batches."""
+built-in pairs of every task (through the task protocol) and pair batches."""
 
 import json
 
+import ml_collections
 import numpy as np
 import pytest
 
 from jaxrl_llm import bridge
 from jaxrl_llm.reward_model import encoding, preferences as P
-from jaxrl_llm.tasks import AdditionTask
+from jaxrl_llm.tasks import AdditionTask, CountdownTask, JsonlTask, SortingTask
 
 
 def write(path, rows):
@@ -80,7 +81,7 @@ def test_held_out_split_by_prompt_and_eval_file(tmp_path):
 
 def test_builtin_addition_pairs():
   task = AdditionTask(max_digits=2, reverse_answer=True)
-  data = P.AdditionPreferences(task, seed=0, eval_prompts=64, eval_pairs=100)
+  data = P.TaskPreferences(task, seed=0, eval_prompts=64, eval_pairs=100)
   assert len(data.eval_pairs) == 100 and data.stats["eval_prompts"] == 64
   pairs = [data.train_pair(i) for i in range(300)] + data.eval_pairs
   for p in pairs:
@@ -88,19 +89,63 @@ def test_builtin_addition_pairs():
     assert task.reward(example, p.chosen) == 1.0, p
     assert task.reward(example, p.rejected) < 1.0, p
     assert p.chosen != p.rejected and p.rejected.isdigit()
-  assert {p.kind for p in pairs} == set(P.ADDITION_KINDS)
+  assert {p.kind for p in pairs} == set(task.pair_kinds)
   padded = [p for p in pairs if p.kind == "padded"]
   assert all(p.rejected.startswith(p.chosen) and set(p.rejected[len(p.chosen):]) == {"0"} for p in padded)
   # training pairs come from training problems, held-out pairs from held-out problems
   assert not any(task.is_eval(task.make_example(*map(int, p.prompt.rstrip("=").split("+")))) for p in pairs[:300])
   assert all(task.is_eval(task.make_example(*map(int, p.prompt.rstrip("=").split("+")))) for p in data.eval_pairs)
   # deterministic
-  again = P.AdditionPreferences(task, seed=0, eval_prompts=64, eval_pairs=100)
+  again = P.TaskPreferences(task, seed=0, eval_prompts=64, eval_pairs=100)
   assert [again.train_pair(i) for i in range(300)] == pairs[:300] and again.eval_pairs == data.eval_pairs
-  only = P.AdditionPreferences(task, seed=0, eval_prompts=8, eval_pairs=8, kinds=["padded"])
+  only = P.TaskPreferences(task, seed=0, eval_prompts=8, eval_pairs=8, kinds=["padded"])
   assert {only.train_pair(i).kind for i in range(20)} == {"padded"}
   with pytest.raises(ValueError, match="pair_kinds='bogus'"):
-    P.AdditionPreferences(task, seed=0, eval_prompts=8, eval_pairs=8, kinds=["bogus"])
+    P.TaskPreferences(task, seed=0, eval_prompts=8, eval_pairs=8, kinds=["bogus"])
+
+
+def _jsonl_task(tmp_path, verifier):
+  rows = [{"question": f"Ann has {i} pens and finds {3 * i + 2} more. How many now?",
+           "answer": f"{i} + {3 * i + 2} = {4 * i + 2}\n#### {4 * i + 2}"} for i in range(300)]
+  return JsonlTask(path=write(tmp_path / "q.jsonl", rows), verifier=verifier, eval_fraction=0.2)
+
+
+@pytest.mark.parametrize("name", ["countdown", "countdown_shaped", "sorting", "sorting_shaped", "jsonl_math",
+                                  "jsonl_exact"])
+def test_builtin_pairs_of_any_task_are_ordered_by_its_reward(name, tmp_path):
+  task = {"countdown": lambda: CountdownTask(),
+          "countdown_shaped": lambda: CountdownTask(num_numbers=4, min_numbers=2, format_reward=0.5),
+          "sorting": lambda: SortingTask(),
+          "sorting_shaped": lambda: SortingTask(partial_credit=0.5, format_reward=0.4),
+          "jsonl_math": lambda: _jsonl_task(tmp_path, "math"),
+          "jsonl_exact": lambda: _jsonl_task(tmp_path, "exact")}[name]()
+  data = P.TaskPreferences(task, seed=1, eval_prompts=16, eval_pairs=40, eval_seed=1)
+  train = [data.train_pair(i) for i in range(150)]
+  assert len(data.eval_pairs) == 40 and data.stats["eval_prompts"] == 16
+  for split, pairs in (("train", train), ("eval", data.eval_pairs)):
+    for p in pairs:
+      source_split, j = p.source.split(":")[1:3]
+      assert p.source.startswith(f"{task.name}:{split}:") and source_split == split
+      example = task.train_example(1, int(j)) if split == "train" else task.eval_prompts(16, 1)[int(j)]
+      assert p.prompt == example.prompt and p.chosen == task.sft_target(example)
+      # every kept pair is ordered by the task's own verifier
+      assert task.reward(example, p.chosen) > task.reward(example, p.rejected), p
+      assert task.is_eval(example) == (split == "eval")
+  assert {p.kind for p in train} == set(task.pair_kinds)
+  assert [data.train_pair(i) for i in range(150)] == train  # a pure function of (seed, position)
+
+
+def test_build_preference_data_uses_the_tasks_kinds():
+  rc = ml_collections.ConfigDict({"data": "", "pair_kinds": "", "eval_pairs": 12})
+  countdown = P.build_preference_data(rc, CountdownTask(), seed=0, eval_size=6)
+  assert isinstance(countdown, P.TaskPreferences) and countdown.kinds == CountdownTask.pair_kinds
+  rc.pair_kinds = " wrong_operator , truncated"
+  assert {P.build_preference_data(rc, CountdownTask(), 0, 6).train_pair(i).kind for i in range(30)} <= {
+      "wrong_operator", "truncated"}
+  rc.pair_kinds = "carry"  # an addition kind asked of the sorting task
+  with pytest.raises(ValueError, match=r"reward_model.pair_kinds='carry': expected a non-empty subset of .* "
+                                       r"\(the pair kinds of task 'sorting'\)"):
+    P.build_preference_data(rc, SortingTask(), seed=0, eval_size=6)
 
 
 def test_encoding_applies_the_chat_template_and_appends_eos():

@@ -12,41 +12,22 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import advantages as A, bridge, configuration as C, models
-from jaxrl_llm.learner import builders, loop, mesh as mesh_lib
+from jaxrl_llm import jobs
+from jaxrl_llm.learner import builders, mesh as mesh_lib
 from jaxrl_llm.reward_model import scorer as S, shaping
 from jaxrl_llm.tasks import AdditionTask, PromptSource
+
+import tiny_configs
 from jaxrl_llm.types import Trajectory
 
 ALPHABET = AdditionTask().alphabet
 
 
 def tiny_config(run_dir, **overrides):
-  c = C.base_config()
-  c.name = "tiny_rm_rl"
-  c.run_dir = str(run_dir)
-  c.model.hidden_size = 32
-  c.model.intermediate_size = 64
-  c.model.num_layers = 1
-  c.model.num_heads = 2
-  c.model.num_kv_heads = 1
-  c.model.max_position_embeddings = 32
-  c.task.kwargs = ml_collections.ConfigDict({"max_digits": 1, "eval_fraction": 0.3})
-  c.task.eval_size = 8
-  c.sft.steps = 2
-  c.sft.batch_size = 8
-  c.rl.steps = 2
-  c.rl.prompts_per_step = 2
-  c.rl.samples_per_prompt = 4
-  c.rl.max_new_tokens = 4
-  c.eval.every = 2
-  c.eval.pass_k = 2
-  c.checkpoint.every = 1
-  c.learner.mesh.data = 1  # one device (fast); the scorer tests below shard over all eight
-  c.log.progress = False
-  c.log.tensorboard = False
-  for path, value in overrides.items():
-    C.override(c, path.replace("__", "."), value)
-  return c
+  """The shared tiny RL config with 4 samples per prompt on one device (fast); the scorer
+  tests below shard over all eight."""
+  defaults = dict(sft__steps=2, rl__samples_per_prompt=4, learner__mesh__data=1, log__tensorboard=False)
+  return tiny_configs.tiny_config(run_dir, **{**defaults, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -238,14 +219,14 @@ def test_ppo_run_scores_with_the_reward_model_and_keeps_its_state(tmp_path, rm_e
                   reward_model__normalize="running", reward_model__baseline="greedy", reward_model__clip=3.0,
                   reward_model__no_eos_penalty=1.0, advantage__kl_reward_coef=0.05,
                   advantage__kl_reward_target=1.0, advantage__kl_reward_horizon=100.0)
-  run = loop.Run(c)
-  critic = run._state.train.critic_params
+  run = jobs.RLJob(c)
+  critic = run.state.train.critic_params
   np.testing.assert_array_equal(critic["value_head"]["kernel"], params["reward_head"]["kernel"])
   np.testing.assert_array_equal(critic["embed"]["embedding"], params["embed"]["embedding"])
   assert run.uses_ref  # the KL penalty in the reward needs the frozen warm start
-  run._state = run._state.replace(ref_params=run._state.train.params)  # as train() does after the warm start
-  source = PromptSource(run.task, 2, seed=0, samples_per_prompt=4)
-  batch, m1 = run.collect(source)
+  run.state = run.state.replace(ref_params=run.state.train.params)  # as train() does after the warm start
+  source = run.start_source()
+  batch, m1 = run.prepare(source.collect(0))
   assert np.isfinite(np.asarray(batch.advantages_bt)).all() and np.isfinite(np.asarray(batch.returns_bt)).all()
   for key in ("reward/rm_mean", "reward/rm_raw_mean", "reward/rm_baseline_mean", "reward/rule_mean",
               "reward/rm_running_mean", "kl_reward/coef", "kl_reward/sequence_kl"):
@@ -254,17 +235,19 @@ def test_ppo_run_scores_with_the_reward_model_and_keeps_its_state(tmp_path, rm_e
   assert m1["reward/mean"] == pytest.approx(m1["reward/rm_mean"], abs=1e-5)  # rm_weight 1, rule_weight 0
   # the policy is its own reference here, so the KL is ~0 < target: beta shrinks by 0.2 * B / horizon
   assert m1["kl_reward/coef"] == pytest.approx(0.05) and abs(m1["kl_reward/sequence_kl"]) < 1e-4
-  assert run.progress.kl_reward_coef == pytest.approx(0.05 * (1 - 0.2 * 8 / 100), rel=1e-5)
-  _, m2 = run.collect(source)
-  assert m2["kl_reward/coef"] == pytest.approx(run.progress.kl_reward_coef / (1 - 0.2 * 8 / 100), rel=1e-5)
-  assert run.progress.reward_state["count"] == 2 * 8
-  # the progress (JSON) carries both, so a resumed run continues with them
+  assert run.kl_coef == pytest.approx(0.05 * (1 - 0.2 * 8 / 100), rel=1e-5)
+  _, m2 = run.prepare(source.collect(1))
+  assert m2["kl_reward/coef"] == pytest.approx(run.kl_coef / (1 - 0.2 * 8 / 100), rel=1e-5)
+  reward_state = run.score.get_state()["reward_model"]
+  assert reward_state["count"] == 2 * 8
+  # the checkpointed progress (JSON) carries both, so a resumed run continues with them
   run.progress.phase = "rl"
-  run._save(force=True)
-  resumed = loop.Run(c)
-  assert resumed.progress.reward_state == run.progress.reward_state
-  assert resumed.progress.kl_reward_coef == run.progress.kl_reward_coef
-  assert resumed.sequence_rewards.get_state() == run.progress.reward_state
+  run.save(force=True)
+  run.close()
+  resumed = jobs.RLJob(c)
+  assert resumed.score.get_state()["reward_model"] == reward_state
+  assert resumed.kl_coef == run.kl_coef
+  resumed.close()
 
 
 def test_group_pair_agreement_by_hand():

@@ -11,39 +11,15 @@ import pytest
 
 from jaxrl_llm import configuration as C
 from jaxrl_llm.learner import mesh as mesh_lib
-from jaxrl_llm.reward_model import preferences as P, scorer as S, train as T
+from jaxrl_llm.jobs import RewardModelJob
+from jaxrl_llm.tasks import AdditionTask
+from jaxrl_llm.reward_model import preferences as P, scorer as S, step as T
 
-
-def tiny_rm_config(run_dir, **overrides):
-  c = C.base_config()
-  c.name = "tiny_rm"
-  c.job = "reward_model"
-  c.run_dir = str(run_dir)
-  c.model.hidden_size = 32
-  c.model.intermediate_size = 64
-  c.model.num_layers = 1
-  c.model.num_heads = 2
-  c.model.num_kv_heads = 1
-  c.model.max_position_embeddings = 32
-  c.task.kwargs = ml_collections.ConfigDict({"max_digits": 1, "eval_fraction": 0.3})
-  c.task.eval_size = 16
-  c.sft.steps = 0
-  c.reward_model.steps = 40
-  c.reward_model.batch_size = 32
-  c.reward_model.lr = 3e-3
-  c.reward_model.eval_pairs = 64
-  c.reward_model.pair_kinds = "padded,extra_digit"  # decidable by a 1-layer model in a few steps
-  c.learner.mesh.data = 1  # one device: the 8-device mesh is exercised by the scorer tests
-  c.eval.every = 20
-  c.checkpoint.every = 1000
-  c.log.progress = False
-  for path, value in overrides.items():
-    C.override(c, path.replace("__", "."), value)
-  return c
+from tiny_configs import tiny_rm_config
 
 
 def test_reward_model_learns_the_builtin_pairs_and_writes_every_output(tmp_path):
-  run = T.RewardModelRun(tiny_rm_config(tmp_path, sft__steps=2, sft__batch_size=8))
+  run = RewardModelJob(tiny_rm_config(tmp_path, sft__steps=2, sft__batch_size=8))
   summary = run.train()
   assert summary["initial_pairwise_accuracy"] is not None
   assert summary["heldout_pairwise_accuracy"] >= 0.85, summary
@@ -62,8 +38,8 @@ def test_reward_model_learns_the_builtin_pairs_and_writes_every_output(tmp_path)
   assert os.path.isfile(os.path.join(export, "jaxrl_llm_extra", "heads.safetensors"))
   # the export, loaded as an RL reward, gives the trained model's scores
   scorer = S.RewardModelScorer(export, mesh_lib.make_mesh({"data": -1}), policy_tokenizer=run.tokenizer)
-  batch, kinds = run._eval_batches[0]
-  chosen, _ = run._scores(run.params, batch)
+  batch, kinds = run.eval_batches[0]
+  chosen, _ = run.scores(run.params, batch)
   loaded = scorer.score_tokens(np.asarray(batch.chosen_bt), np.asarray(batch.chosen_mask_bt))
   np.testing.assert_allclose(loaded[:len(kinds)], np.asarray(chosen)[:len(kinds)], rtol=1e-5, atol=1e-5)
 
@@ -74,7 +50,7 @@ def _leaves(tree):
 
 def test_resume_is_bit_for_bit_and_jsonl_data(tmp_path):
   rows = []
-  data = P.AdditionPreferences(P.AdditionTask(max_digits=1, eval_fraction=0.3), seed=0, eval_prompts=4, eval_pairs=4,
+  data = P.TaskPreferences(AdditionTask(max_digits=1, eval_fraction=0.3), seed=0, eval_prompts=4, eval_pairs=4,
                                kinds=["padded", "extra_digit"])
   for i in range(120):
     p = data.train_pair(i)
@@ -84,24 +60,24 @@ def test_resume_is_bit_for_bit_and_jsonl_data(tmp_path):
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   common = dict(reward_model__data=str(path), reward_model__eval_fraction=0.2, reward_model__batch_size=8,
                 reward_model__steps=4, eval__every=2, log__tensorboard=False, export__hf=False)
-  straight = T.RewardModelRun(tiny_rm_config(tmp_path / "a", **common))
+  straight = RewardModelJob(tiny_rm_config(tmp_path / "a", **common))
   summary = straight.train()
   assert summary["data"]["identical_skipped"] == 1 and summary["data"]["rows"] == 121
   assert summary["data"]["train_pairs"] + summary["data"]["eval_pairs"] == 120
-  first = T.RewardModelRun(tiny_rm_config(tmp_path / "b", **dict(common, reward_model__steps=2)))
+  first = RewardModelJob(tiny_rm_config(tmp_path / "b", **dict(common, reward_model__steps=2)))
   first.train()
-  resumed = T.RewardModelRun(tiny_rm_config(tmp_path / "b", **common))
-  assert resumed.progress.rm_step == 2 and resumed.progress.pair_position == 16
+  resumed = RewardModelJob(tiny_rm_config(tmp_path / "b", **common))
+  assert resumed.progress.step == 2 and resumed.pairs.position == 16
   resumed.progress.phase = "rm"  # asked for more steps than the finished run had
   resumed.train()
-  assert resumed.progress.rm_step == 4
+  assert resumed.progress.step == 4
   for a, b in zip(_leaves(straight.params), _leaves(resumed.params)):
     np.testing.assert_array_equal(a, b)
 
 
 def test_config_errors_name_the_field(tmp_path):
   with pytest.raises(C.ConfigError, match="learner.micro_batches=3: expected a divisor of reward_model.batch_size=32"):
-    T.RewardModelRun(tiny_rm_config(tmp_path, learner__micro_batches=3))
+    RewardModelJob(tiny_rm_config(tmp_path, learner__micro_batches=3))
   with pytest.raises(C.ConfigError, match="reward_model.normalize='zscore': expected one of"):
     C.validate(tiny_rm_config(tmp_path, job="rl", reward_model__normalize="zscore"))
   with pytest.raises(C.ConfigError, match="advantage.kl_reward_coef=0.1 with advantage.estimator='grpo'"):
@@ -109,7 +85,7 @@ def test_config_errors_name_the_field(tmp_path):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1+2=", "chosen": "3"}\n')
   with pytest.raises(ValueError, match=r"bad.jsonl:2: preference row is missing field 'rejected'"):
-    T.RewardModelRun(tiny_rm_config(tmp_path / "run", reward_model__data=str(bad)))
+    RewardModelJob(tiny_rm_config(tmp_path / "run", reward_model__data=str(bad)))
 
 
 def test_rm_step_micro_batching_and_language_model_term():
@@ -124,7 +100,7 @@ def test_rm_step_micro_batching_and_language_model_term():
                        num_kv_heads=1, max_position_embeddings=32, param_dtype="float32", dtype="float32",
                        reward_head=True, pad_token_id=tok.pad_id, eos_token_id=tok.eos_id)
   enc = encoding.PairEncoder(tok, False, 32)
-  data = P.AdditionPreferences(P.AdditionTask(max_digits=2, eval_fraction=0.3), 0, 4, 4)
+  data = P.TaskPreferences(AdditionTask(max_digits=2, eval_fraction=0.3), 0, 4, 4)
   pairs = [data.train_pair(i) for i in range(6)]
   batch = encoding.collate_pairs([enc.pair(p) for p in pairs], [0.5] * 6, tok.pad_id, 8, 32)
   params = models.init_params(config, jax.random.PRNGKey(0))

@@ -9,13 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_llm import bridge, models
-from jaxrl_llm.learner import loop
+from jaxrl_llm import bridge, jobs, models
 from jaxrl_llm.rollout import SamplerPool, SamplerSpec, WorkItem, validate_chunk
 from jaxrl_llm.sampling import SamplerConfig
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_learner_run import tiny_config  # noqa: E402
+from tiny_configs import tiny_config  # noqa: E402
 
 CONFIG = models.tiny("qwen2", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=1,
                      max_position_embeddings=32, pad_token_id=0, eos_token_id=1)
@@ -110,9 +109,9 @@ def test_fingerprint_mismatch_and_future_versions_are_rejected_with_reasons(para
 
 def test_pipeline_with_k0_reproduces_the_synchronous_run(tmp_path):
   common = dict(rl__steps=3, checkpoint__every=100, export__hf=False, eval__every=100)
-  sync = loop.Run(tiny_config(tmp_path / "sync", **common))
+  sync = jobs.RLJob(tiny_config(tmp_path / "sync", **common))
   sync.train()
-  pipe = loop.Run(tiny_config(tmp_path / "pipe", rollout__mode="pipeline", rollout__num_samplers=1,
+  pipe = jobs.RLJob(tiny_config(tmp_path / "pipe", rollout__mode="pipeline", rollout__num_samplers=1,
                               rollout__max_lag=0, **common))
   pipe.train()
   for a, b in zip(jax.tree.leaves(sync.params), jax.tree.leaves(pipe.params)):
@@ -121,7 +120,7 @@ def test_pipeline_with_k0_reproduces_the_synchronous_run(tmp_path):
 
 def test_pipeline_with_lag_runs_ahead_within_the_bound(tmp_path):
   import json
-  run = loop.Run(tiny_config(tmp_path, rl__steps=4, checkpoint__every=100, export__hf=False, eval__every=100,
+  run = jobs.RLJob(tiny_config(tmp_path, rl__steps=4, checkpoint__every=100, export__hf=False, eval__every=100,
                              rollout__mode="pipeline", rollout__num_samplers=2, rollout__max_lag=2,
                              rollout__segment_tokens=2))
   run.train()

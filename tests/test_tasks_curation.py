@@ -1,17 +1,19 @@
 """Data curation: pass rates, retirement, prioritised and curriculum sampling, dynamic sampling."""
 
 import collections
+import dataclasses
 import hashlib
 import json
 
 import numpy as np
 import pytest
 
-from jaxrl_llm.tasks import AdditionTask, Example, PromptSource
+from jaxrl_llm import settings
+from jaxrl_llm.tasks import AdditionTask, CountdownTask, Example, JsonlTask, PromptSource, SortingTask
 from jaxrl_llm.tasks.base import CounterRng
 from jaxrl_llm.tasks.curation import (CuratedPromptSource, CurationConfig, InformativeGroupCollector,
-                                      PassRateTracker, addition_difficulty, default_difficulty, prompt_key,
-                                      weighted_sample_without_replacement, zero_variance_groups)
+                                      PassRateTracker, prompt_key, weighted_sample_without_replacement,
+                                      zero_variance_groups)
 
 ONE_DIGIT = AdditionTask(min_digits=1, max_digits=1)  # ~95 training problems: prompts recur
 
@@ -179,11 +181,11 @@ def test_prioritized_batches_are_distinct_and_max_uses_turns_the_pool_over():
 
 def test_curriculum_promotes_on_pass_rate():
   task = AdditionTask(min_digits=1, max_digits=3)
-  assert default_difficulty(task) is addition_difficulty
+  assert task.difficulty(task.make_example(123, 4)) == 3.0  # digits of the longer operand
   source = CuratedPromptSource(task, 2, seed=0, samples_per_prompt=4, strategy="curriculum", level_window=8,
                                promote_pass_rate=0.75, retire_solved=False)
   assert source.levels == (1.0, 2.0, 3.0)
-  level_of = lambda ex: int(addition_difficulty(ex))
+  level_of = lambda ex: int(task.difficulty(ex))
   batch = source.next_batch()
   assert all(level_of(ex) == 1 for ex in batch.examples)
   source.record(batch, [1, 1, 1, 0, 1, 0, 0, 0])  # 4/8 < 0.75: stays
@@ -219,6 +221,37 @@ def test_curriculum_step_schedule_custom_difficulty_and_levels():
   assert max(lengths[:2]) <= 2 and max(lengths) == 4  # the last level admits everything
   assert source.level == 1
   assert source.level_of(Example("1+1=", "12345")) == 1  # harder than every ceiling: last level
+
+
+def level_rows(n):
+  return [{"question": f"q{i}", "answer": f"#### {i}", "level": f"Level {1 + i % 3}"} for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["sorting", "countdown", "jsonl"])
+def test_curriculum_orders_any_task_by_its_difficulty(name, tmp_path):
+  if name == "jsonl":
+    path = tmp_path / "levels.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in level_rows(90)))
+    task, expected = JsonlTask(path=str(path), difficulty_field="level", eval_fraction=0.1), (1.0, 2.0, 3.0)
+  else:
+    task, expected = {"sorting": (SortingTask(min_length=2, max_length=5), (2.0, 3.0, 4.0, 5.0)),
+                      "countdown": (CountdownTask(num_numbers=4, min_numbers=2), (2.0, 3.0, 4.0))}[name]
+  source = CuratedPromptSource(task, 4, seed=0, samples_per_prompt=2, strategy="curriculum", level_window=8,
+                               promote_pass_rate=1.0, retire_solved=False)
+  assert source.levels == expected  # probed from task.difficulty
+  seen = []
+  for _ in range(200):
+    batch = source.next_batch()
+    ceiling = source.levels[source.level]
+    assert all(task.difficulty(ex) <= ceiling for ex in batch.examples)
+    seen.append((source.level, max(task.difficulty(ex) for ex in batch.examples)))
+    # the policy solves exactly the problems at or below the current ceiling: the level rises one at a time
+    source.record(batch, np.repeat([float(task.difficulty(ex) <= ceiling) for ex in batch.examples], 2))
+    if source.level == len(expected) - 1:
+      break
+  assert source.level == len(expected) - 1 and source.metrics()["curation/ceiling"] == expected[-1]
+  assert seen[0] == (0, expected[0])  # the first batch holds only the easiest problems
+  assert [lv for lv, _ in seen] == sorted(lv for lv, _ in seen)
 
 
 # --------------------------------------------------------------------------- state and determinism
@@ -306,6 +339,24 @@ def test_source_bad_input():
     CuratedPromptSource(task, 2).set_state({**source.get_state(), "task": "sorting"})
   with pytest.raises(ValueError, match="seed"):
     CuratedPromptSource(task, 2, seed=9).set_state(source.get_state())
+
+
+def test_curation_settings_are_declared_once_with_meaning_and_check():
+  fields = dataclasses.fields(CurationConfig)
+  assert [f.name for f in settings.config_fields(CurationConfig)] == [f.name for f in fields]
+  for f in fields:
+    assert f.metadata["doc"] and "\n" not in f.metadata["doc"], f.name
+    assert f.metadata["check"](settings.default_of(f)), f.name  # every default passes its own check
+  bad = {"strategy": "random", "success_threshold": float("nan"), "window": 0, "min_attempts": -1,
+         "retire_solved": 1, "drop_pass_rate": 1.5, "priority_floor": float("inf"), "max_uses": 2.5,
+         "schedule": "daily", "levels": (2, 1), "level_window": True}
+  errors = settings.field_errors(CurationConfig, bad, "data")
+  assert {e.split("=")[0] for e in errors if "missing" not in e} == {f"data.{k}" for k in bad}
+  assert "data.levels=(2, 1): expected a strictly ascending list of finite numbers" in "; ".join(errors)
+  with pytest.raises(ValueError, match=r"data.window=0: expected a positive integer"):
+    CurationConfig(window=0)
+  assert CurationConfig(levels=[1, 2.5]).levels == (1.0, 2.5)
+  assert CurationConfig(min_attempts=0, window=5).attempts_to_retire == 5
 
 
 # --------------------------------------------------------------------------- dynamic sampling

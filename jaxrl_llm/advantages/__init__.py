@@ -13,13 +13,15 @@ Modules:
   running     running reward z-score (Welford/Chan state).
   rewards     clipping, reference baseline, EOS placement, per-token KL shaping.
   kl_control  adaptive (Ziegler et al.) and fixed KL coefficient controllers.
+  checks      argument checks (shapes, ranges, choices) with errors naming the
+              argument; shared with the reward-model and diagnostics code.
 """
 
 from jaxrl_llm.advantages.gae import gae
 from jaxrl_llm.advantages.group import (
-    ESTIMATORS,
+    GROUP_ESTIMATORS,
     GroupAdvantages,
-    drgrpo_advantages,
+    dr_grpo_advantages,
     group_advantages,
     group_zero_variance,
     grpo_advantages,
@@ -59,10 +61,14 @@ from jaxrl_llm.advantages.running import (
     running_zscore,
 )
 
+# Every advantage estimator name (a run config's ``advantage.estimator``): the
+# group-relative ones and "gae" (:func:`gae`, from a critic's value estimates).
+ESTIMATORS = GROUP_ESTIMATORS + ("gae",)
+
 __all__ = [
-    "ESTIMATORS", "GroupAdvantages", "KLController", "KLControllerState", "LEVELS", "MODES",
+    "ESTIMATORS", "GROUP_ESTIMATORS", "GroupAdvantages", "KLController", "KLControllerState", "LEVELS", "MODES",
     "Moments", "RewardNormalizer", "RunningMoments", "adaptive_kl_controller", "clip_rewards",
-    "drgrpo_advantages", "fixed_kl_controller", "gae", "group_advantages",
+    "dr_grpo_advantages", "fixed_kl_controller", "gae", "group_advantages",
     "group_zero_variance", "grpo_advantages", "kl_penalized_rewards", "last_token_mask",
     "make_advantage_normalizer", "masked_moments", "mean_sequence_kl", "normalize_advantages",
     "reference_baseline", "reward_at_eos", "rloo_advantages", "running_moments_init",

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
-from jaxrl_llm.advantages import _checks
+from jaxrl_llm.advantages import checks
 
 
 def gae(
@@ -81,11 +81,11 @@ def gae(
     Ouyang et al., InstructGPT, arXiv:2203.02155 (token-level PPO for LMs).
   """
   who = "gae"
-  b, _ = _checks.check_bt(who, rewards_bt=rewards_bt, values_bt=values_bt, mask_bt=mask_bt)
-  _checks.check_in_unit_interval(who, "gamma", gamma)
-  _checks.check_in_unit_interval(who, "lam", lam)
+  b, _ = checks.check_bt(who, rewards_bt=rewards_bt, values_bt=values_bt, mask_bt=mask_bt)
+  checks.check_in_unit_interval(who, "gamma", gamma)
+  checks.check_in_unit_interval(who, "lam", lam)
   if bootstrap_value_b is not None:
-    _checks.check_b(who, "bootstrap_value_b", bootstrap_value_b, b, "rewards_bt")
+    checks.check_b(who, "bootstrap_value_b", bootstrap_value_b, b, "rewards_bt")
     next_value_b = jnp.asarray(bootstrap_value_b, jnp.float32)
   else:
     next_value_b = jnp.zeros((b,), jnp.float32)

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jaxrl_llm import reduce
-from jaxrl_llm.advantages import _checks
+from jaxrl_llm.advantages import checks
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo")
+# Names of the group-relative estimators (``advantage.estimator`` in a run config).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 class GroupAdvantages(NamedTuple):
@@ -43,10 +44,10 @@ class GroupAdvantages(NamedTuple):
 
 
 def _prepare(who: str, rewards_b, group_size, valid_b):
-  _checks.check_rank(who, "rewards_b", rewards_b, 1, "[B]")
-  b = _checks.shape_of(rewards_b)[0]
-  n = _checks.check_group_size(who, b, group_size)
-  _checks.optional_valid(valid_b, who, b, "rewards_b")
+  checks.check_rank(who, "rewards_b", rewards_b, 1, "[B]")
+  b = checks.shape_of(rewards_b)[0]
+  n = checks.check_group_size(who, b, group_size)
+  checks.optional_valid(valid_b, who, b, "rewards_b")
   rewards = jnp.asarray(rewards_b, jnp.float32)
   valid = jnp.ones((b,), bool) if valid_b is None else jnp.asarray(valid_b).astype(bool)
   return rewards, valid, n
@@ -90,13 +91,13 @@ def group_advantages(
     ddof: int = 0,
     valid_b: Optional[Bool[ArrayLike, "B"]] = None,
 ) -> GroupAdvantages:
-  """Group-relative sequence advantages for one of ``ESTIMATORS``.
+  """Group-relative sequence advantages for one of ``GROUP_ESTIMATORS``.
 
   With ``mean_g``/``std_g`` over the valid rewards of row i's group g and n_g
   valid samples::
 
     grpo:    A_i = (r_i - mean_g) / (std_g + eps)
-    drgrpo:  A_i =  r_i - mean_g
+    dr_grpo: A_i =  r_i - mean_g
     rloo:    A_i =  r_i - (sum_{j in g} r_j - r_i) / (n_g - 1)
                  =  n_g / (n_g - 1) * (r_i - mean_g)
 
@@ -114,7 +115,7 @@ def group_advantages(
   Args:
     rewards_b: float [B] sequence rewards; the N samples of a prompt contiguous.
     group_size: N, a positive int dividing B.
-    estimator: "grpo", "drgrpo" or "rloo".
+    estimator: "grpo", "dr_grpo" or "rloo".
     eps: GRPO's denominator epsilon (> 0).
     ddof: 0 or 1, the delta degrees of freedom of GRPO's std.
     valid_b: optional bool [B]; False rows (e.g. padding, failed samples) are
@@ -133,10 +134,10 @@ def group_advantages(
     Optimization for Learning from Human Feedback, arXiv:2402.14740.
   """
   who = "group_advantages"
-  _checks.check_choice(who, "estimator", estimator, ESTIMATORS)
+  checks.check_choice(who, "estimator", estimator, GROUP_ESTIMATORS)
   if ddof not in (0, 1):
     raise ValueError(f"{who}: ddof must be 0 or 1; got {ddof!r}")
-  _checks.check_positive(who, "eps", eps)
+  checks.check_positive(who, "eps", eps)
   rewards, valid, n = _prepare(who, rewards_b, group_size, valid_b)
 
   mean_g, var_g, count_g = reduce.group_moments(rewards, n, valid)
@@ -150,7 +151,7 @@ def group_advantages(
       var_g = reduce.safe_div(var_g * count_g, count_g - 1.0)
     inv_std_b = jnp.repeat(1.0 / (jnp.sqrt(var_g) + eps), n)
     adv = (rewards - mean_b) * inv_std_b
-  elif estimator == "drgrpo":
+  elif estimator == "dr_grpo":
     adv = rewards - mean_b
   else:
     sum_b = jnp.repeat(reduce.group_sum(rewards, n, valid), n)
@@ -180,7 +181,7 @@ def grpo_advantages(
                           valid_b=valid_b)
 
 
-def drgrpo_advantages(
+def dr_grpo_advantages(
     rewards_b: Float[ArrayLike, "B"],
     group_size: int,
     *,
@@ -188,12 +189,12 @@ def drgrpo_advantages(
 ) -> GroupAdvantages:
   """Dr.GRPO: ``A_i = r_i - mean_g`` (no division by the group std).
 
-  Arguments and returns as :func:`group_advantages` with ``estimator="drgrpo"``.
+  Arguments and returns as :func:`group_advantages` with ``estimator="dr_grpo"``.
 
   References:
     Liu et al., Understanding R1-Zero-Like Training, arXiv:2503.20783.
   """
-  return group_advantages(rewards_b, group_size, estimator="drgrpo", valid_b=valid_b)
+  return group_advantages(rewards_b, group_size, estimator="dr_grpo", valid_b=valid_b)
 
 
 def rloo_advantages(
@@ -228,7 +229,7 @@ def sequence_to_tokens(
     float32 [B, T].
   """
   who = "sequence_to_tokens"
-  b, _ = _checks.check_bt(who, mask_bt=mask_bt)
-  _checks.check_b(who, "values_b", values_b, b, "mask_bt")
+  b, _ = checks.check_bt(who, mask_bt=mask_bt)
+  checks.check_b(who, "values_b", values_b, b, "mask_bt")
   values = jnp.asarray(values_b, jnp.float32)[:, None]
   return jnp.where(jnp.asarray(mask_bt).astype(bool), values, 0.0)

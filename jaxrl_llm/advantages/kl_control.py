@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from jaxrl_llm.advantages import _checks
+from jaxrl_llm.advantages import checks
 
 
 class KLControllerState(NamedTuple):
@@ -64,9 +64,9 @@ def adaptive_kl_controller(
     arXiv:1909.08593, section 2.2.
   """
   who = "adaptive_kl_controller"
-  _checks.check_positive(who, "init_kl_coef", init_kl_coef, allow_zero=True)
-  _checks.check_positive(who, "target", target)
-  _checks.check_positive(who, "horizon", horizon)
+  checks.check_positive(who, "init_kl_coef", init_kl_coef, allow_zero=True)
+  checks.check_positive(who, "target", target)
+  checks.check_positive(who, "horizon", horizon)
 
   def init() -> KLControllerState:
     return KLControllerState(jnp.asarray(init_kl_coef, jnp.float32))
@@ -88,7 +88,7 @@ def fixed_kl_controller(kl_coef: float) -> KLController:
   Returns:
     :class:`KLController` whose ``update`` returns the state unchanged.
   """
-  _checks.check_positive("fixed_kl_controller", "kl_coef", kl_coef, allow_zero=True)
+  checks.check_positive("fixed_kl_controller", "kl_coef", kl_coef, allow_zero=True)
 
   def init() -> KLControllerState:
     return KLControllerState(jnp.asarray(kl_coef, jnp.float32))

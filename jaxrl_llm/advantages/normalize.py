@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jaxrl_llm import reduce
-from jaxrl_llm.advantages import _checks
+from jaxrl_llm.advantages import checks
 
 MODES = ("none", "batch", "group", "global")
 LEVELS = ("token", "sequence")
@@ -64,11 +64,11 @@ class Moments(NamedTuple):
 def _as_bt(who, x, mask):
   """Accepts [B] (+ optional [B]) or [B, T] (+ optional [B, T]); returns [B, T'] pair."""
   if mask is None:
-    mask = jnp.ones(_checks.shape_of(x), bool)
+    mask = jnp.ones(checks.shape_of(x), bool)
   if jnp.ndim(x) == 1:
-    _checks.check_same_shape(who, values=x, mask=mask)
+    checks.check_same_shape(who, values=x, mask=mask)
     return jnp.asarray(x, jnp.float32)[:, None], jnp.asarray(mask).astype(bool)[:, None]
-  _checks.check_bt(who, values=x, mask=mask)
+  checks.check_bt(who, values=x, mask=mask)
   return jnp.asarray(x, jnp.float32), jnp.asarray(mask).astype(bool)
 
 
@@ -186,9 +186,9 @@ def whiten(
     Ziegler et al., Fine-Tuning Language Models from Human Preferences,
     arXiv:1909.08593 (lm-human-preferences ``whiten``).
   """
-  _checks.check_positive("whiten", "eps", eps)
+  checks.check_positive("whiten", "eps", eps)
   if jnp.ndim(values) not in (1, 2):
-    raise ValueError(f"whiten: values must be [B] or [B, T]; got shape {_checks.shape_of(values)}")
+    raise ValueError(f"whiten: values must be [B] or [B, T]; got shape {checks.shape_of(values)}")
   x, m = _as_bt("whiten", values, mask)
   mom = masked_moments(x, m, axis_name=axis_name)
   scaled = (x - mom.mean) * jax.lax.rsqrt(mom.var + eps)
@@ -248,13 +248,13 @@ def make_advantage_normalizer(
       misplaced ``group_size`` / ``axis_name``.
   """
   who = "make_advantage_normalizer"
-  _checks.check_choice(who, "advantage normalisation mode", mode, MODES)
-  _checks.check_choice(who, "statistics level", level, LEVELS)
-  _checks.check_positive(who, "eps", eps)
+  checks.check_choice(who, "advantage normalisation mode", mode, MODES)
+  checks.check_choice(who, "statistics level", level, LEVELS)
+  checks.check_positive(who, "eps", eps)
   if mode == "group" and group_size is None:
     raise ValueError(f"{who}: mode 'group' needs group_size (samples per prompt)")
   if group_size is not None:
-    _checks.check_positive_int(who, "group_size", group_size)
+    checks.check_positive_int(who, "group_size", group_size)
   if mode == "global" and axis_name is None:
     raise ValueError(f"{who}: mode 'global' needs axis_name (the data-parallel mesh axis "
                      "inside shard_map); under plain jit use mode 'batch'")
@@ -264,13 +264,13 @@ def make_advantage_normalizer(
 
   def normalize(advantages_bt, mask_bt):
     nwho = f"advantage normalizer ({mode})"
-    b, _ = _checks.check_bt(nwho, advantages_bt=advantages_bt, mask_bt=mask_bt)
+    b, _ = checks.check_bt(nwho, advantages_bt=advantages_bt, mask_bt=mask_bt)
     x = jnp.asarray(advantages_bt, jnp.float32)
     mask = jnp.asarray(mask_bt).astype(bool)
     if mode == "none":
       return jnp.where(mask, x, 0.0)
     if mode == "group":
-      n = _checks.check_group_size(nwho, b, group_size)
+      n = checks.check_group_size(nwho, b, group_size)
       mom = _group_moments(x, mask, level, n)
       expand = lambda v: jnp.repeat(v, n)[:, None]  # noqa: E731
     else:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jaxrl_llm import reduce
-from jaxrl_llm.advantages import _checks
+from jaxrl_llm.advantages import checks
 
 
 def clip_rewards(
@@ -38,7 +38,7 @@ def clip_rewards(
     if not low < high:
       raise ValueError(f"{who}: clip_range (low, high) needs low < high; got {clip_range!r}")
   else:
-    _checks.check_positive(who, "clip_range", clip_range)
+    checks.check_positive(who, "clip_range", clip_range)
     low, high = -float(clip_range), float(clip_range)
   return jnp.clip(jnp.asarray(rewards, jnp.float32), low, high)
 
@@ -64,9 +64,9 @@ def reference_baseline(
     Li et al., ReMax, arXiv:2310.10505 (the greedy response as baseline).
   """
   who = "reference_baseline"
-  _checks.check_rank(who, "rewards_b", rewards_b, 1, "[B]")
-  _checks.check_rank(who, "ref_rewards_g", ref_rewards_g, 1, "[G]")
-  b, g = _checks.shape_of(rewards_b)[0], _checks.shape_of(ref_rewards_g)[0]
+  checks.check_rank(who, "rewards_b", rewards_b, 1, "[B]")
+  checks.check_rank(who, "ref_rewards_g", ref_rewards_g, 1, "[G]")
+  b, g = checks.shape_of(rewards_b)[0], checks.shape_of(ref_rewards_g)[0]
   if g == 0 or b % g:
     raise ValueError(f"{who}: rewards_b has {b} rows, not a whole number of samples for each "
                      f"of the {g} prompts in ref_rewards_g")
@@ -86,7 +86,7 @@ def last_token_mask(mask_bt: Bool[ArrayLike, "B T"]) -> Bool[Array, "B T"]:
   Returns:
     bool [B, T].
   """
-  _checks.check_bt("last_token_mask", mask_bt=mask_bt)
+  checks.check_bt("last_token_mask", mask_bt=mask_bt)
   mask = jnp.asarray(mask_bt).astype(bool)
   pos_t = jnp.arange(mask.shape[1], dtype=jnp.int32)
   last_b = jnp.max(jnp.where(mask, pos_t, -1), axis=1)
@@ -117,8 +117,8 @@ def reward_at_eos(
     Ouyang et al., InstructGPT, arXiv:2203.02155; Ziegler et al., arXiv:1909.08593.
   """
   who = "reward_at_eos"
-  b, _ = _checks.check_bt(who, mask_bt=mask_bt)
-  _checks.check_b(who, "rewards_b", rewards_b, b, "mask_bt")
+  b, _ = checks.check_bt(who, mask_bt=mask_bt)
+  checks.check_b(who, "rewards_b", rewards_b, b, "mask_bt")
   return jnp.where(last_token_mask(mask_bt), jnp.asarray(rewards_b, jnp.float32)[:, None], 0.0)
 
 
@@ -153,9 +153,9 @@ def kl_penalized_rewards(
     Ziegler et al., arXiv:1909.08593; Ouyang et al., InstructGPT, arXiv:2203.02155.
   """
   who = "kl_penalized_rewards"
-  b, _ = _checks.check_bt(who, logp_bt=logp_bt, ref_logp_bt=ref_logp_bt, mask_bt=mask_bt)
-  _checks.check_b(who, "rewards_b", rewards_b, b, "logp_bt")
-  _checks.check_positive(who, "kl_coef", kl_coef, allow_zero=True)
+  b, _ = checks.check_bt(who, logp_bt=logp_bt, ref_logp_bt=ref_logp_bt, mask_bt=mask_bt)
+  checks.check_b(who, "rewards_b", rewards_b, b, "logp_bt")
+  checks.check_positive(who, "kl_coef", kl_coef, allow_zero=True)
   mask = jnp.asarray(mask_bt).astype(bool)
   kl = jnp.where(mask, jnp.asarray(logp_bt, jnp.float32) - jnp.asarray(ref_logp_bt, jnp.float32),
                  0.0)
@@ -186,8 +186,8 @@ def mean_sequence_kl(
     float32 scalar (0 for an empty batch).
   """
   who = "mean_sequence_kl"
-  b, _ = _checks.check_bt(who, kl_bt=kl_bt, mask_bt=mask_bt)
-  _checks.optional_valid(valid_b, who, b, "kl_bt")
+  b, _ = checks.check_bt(who, kl_bt=kl_bt, mask_bt=mask_bt)
+  checks.optional_valid(valid_b, who, b, "kl_bt")
   mask = jnp.asarray(mask_bt).astype(bool)
   valid = reduce.row_count(mask) > 0 if valid_b is None else jnp.asarray(valid_b).astype(bool)
   return reduce.batch_mean(reduce.masked_row_sum(kl_bt, mask), valid, axis_name)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jaxrl_llm import reduce
-from jaxrl_llm.advantages import _checks
+from jaxrl_llm.advantages import checks
 
 
 class RunningMoments(NamedTuple):
@@ -73,8 +73,8 @@ def running_moments_update(
     Computing Sample Variances (1979); Welford (1962).
   """
   who = "running_moments_update"
-  _checks.check_rank(who, "values_b", values_b, 1, "[B]")
-  _checks.optional_valid(valid_b, who, _checks.shape_of(values_b)[0], "values_b")
+  checks.check_rank(who, "values_b", values_b, 1, "[B]")
+  checks.optional_valid(valid_b, who, checks.shape_of(values_b)[0], "values_b")
   values = jnp.asarray(values_b, jnp.float32)
   valid = jnp.ones(values.shape, bool) if valid_b is None else jnp.asarray(valid_b).astype(bool)
   n_new = jnp.sum(valid.astype(jnp.int32))
@@ -118,7 +118,7 @@ def running_zscore(
   Returns:
     float32, the shape of ``values``.
   """
-  _checks.check_positive("running_zscore", "eps", eps)
+  checks.check_positive("running_zscore", "eps", eps)
   x = jnp.asarray(values, jnp.float32)
   centred = x - state.mean if shift_mean else x
   var = running_variance(state)
@@ -152,7 +152,7 @@ def running_reward_normalizer(
   Returns:
     :class:`RewardNormalizer`.
   """
-  _checks.check_positive("running_reward_normalizer", "eps", eps)
+  checks.check_positive("running_reward_normalizer", "eps", eps)
 
   def update(state, rewards_b, valid_b=None):
     state = running_moments_update(state, rewards_b, valid_b, axis_name=axis_name)

@@ -1,5 +1,10 @@
 """Host-side numpy helpers shared by the consistency and off-policy diagnostics.
 
+Argument checks come from :mod:`jaxrl_llm.advantages.checks` (``check_bt``,
+``shape_of``) and quantile names and levels from
+:mod:`jaxrl_llm.objectives.stats` (``quantile_name``, ``check_quantiles``), so
+the diagnostics and the objectives' metrics spell errors and quantiles alike.
+
 Conventions of every diagnostic built on these helpers:
 
 * **Inputs** are [B, T] arrays (numpy, or JAX arrays gathered to the host once
@@ -31,30 +36,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxrl_llm.advantages.checks import check_bt, shape_of
+from jaxrl_llm.objectives.stats import check_quantiles, quantile_name
+
 NAN = float("nan")
-
-
-def shape_of(x: Any) -> tuple[int, ...]:
-  return tuple(np.shape(x))
-
-
-def check_bt(who: str, **arrays: Any) -> tuple[int, int]:
-  """Checks that all non-None arrays are [B, T] with one shape; returns (B, T).
-
-  Raises:
-    ValueError: naming the first array that is not rank 2 or whose shape
-      differs from the first array's.
-  """
-  items = [(n, a) for n, a in arrays.items() if a is not None]
-  for name, a in items:
-    if np.ndim(a) != 2:
-      raise ValueError(f"{who}: {name} must be [B, T] (rank 2); got shape {shape_of(a)}")
-  first_name, first = items[0]
-  for name, a in items[1:]:
-    if shape_of(a) != shape_of(first):
-      raise ValueError(f"{who}: {name} has shape {shape_of(a)} but {first_name} has shape "
-                       f"{shape_of(first)}; they must be equal")
-  return shape_of(first)  # type: ignore[return-value]
 
 
 def as_mask(who: str, name: str, mask: Any) -> np.ndarray:
@@ -112,23 +97,6 @@ def extremum(values_bt: np.ndarray, mask_bt: np.ndarray, fn) -> float:
   return float(fn(v)) if v.size else NAN
 
 
-def quantile_name(name: str, q: float) -> str:
-  """``ratio`` and 0.5 -> ``ratio_p50``; 0.01 -> ``ratio_p1``; 0.999 -> ``ratio_p99.9``.
-
-  The rule of :func:`jaxrl_llm.objectives.stats.quantile_name`, so that the
-  diagnostics and the objectives' metrics spell quantiles alike.
-  """
-  return f"{name}_p{round(q * 100, 6):g}"
-
-
-def check_quantiles(who: str, quantiles: Sequence[float]) -> tuple[float, ...]:
-  qs = tuple(float(q) for q in quantiles)
-  for q in qs:
-    if math.isnan(q) or not 0.0 <= q <= 1.0:
-      raise ValueError(f"{who}: quantiles must lie in [0, 1]; got {q}")
-  return qs
-
-
 def quantiles(values_bt: np.ndarray, mask_bt: np.ndarray, qs: Sequence[float]) -> list[float]:
   """Order-statistic quantiles of the masked entries (no interpolation).
 
@@ -146,63 +114,6 @@ def quantiles(values_bt: np.ndarray, mask_bt: np.ndarray, qs: Sequence[float]) -
   if not k:
     return [NAN for _ in qs]
   return [float(v[min(max(math.ceil(q * k) - 1, 0), k - 1)]) for q in qs]
-
-
-class Alert(str):
-  """One threshold crossing: a human-readable message that also carries its fields.
-
-  An ``Alert`` *is* its message (a ``str`` subclass), so lists of alerts print,
-  log and JSON-serialise as lists of strings, e.g. ``consistency/kl_k3 =
-  0.0042 > maximum 0.001 (sampler and learner disagree ...)``, while code can
-  read the fields.
-
-  Attributes:
-    name: the alert's identifier, the metric name with ``/`` replaced by ``_``
-      (e.g. ``consistency_kl_k3``); counted per run by
-      :class:`jaxrl_llm.diagnostics.StepDiagnostics` as ``alerts/<name>``.
-    metric: the metric that crossed the threshold (``consistency/kl_k3``).
-    value: its value this step.
-    threshold: the limit it crossed.
-    relation: ``">"`` (value above a maximum) or ``"<"`` (below a minimum).
-    hint: what usually causes it, in a few words (see docs/off_policy.md).
-  """
-
-  def __new__(cls, name: str, metric: str, value: float, threshold: float, relation: str,
-              hint: str = ""):
-    if relation not in (">", "<"):
-      raise ValueError(f"Alert: relation must be '>' or '<'; got {relation!r}")
-    limit = "maximum" if relation == ">" else "minimum"
-    text = f"{metric} = {value:.6g} {relation} {limit} {threshold:.6g}"
-    self = super().__new__(cls, f"{text} ({hint})" if hint else text)
-    self.name, self.metric, self.value = name, metric, float(value)
-    self.threshold, self.relation, self.hint = float(threshold), relation, hint
-    return self
-
-  def __getnewargs__(self):
-    return (self.name, self.metric, self.value, self.threshold, self.relation, self.hint)
-
-  @property
-  def message(self) -> str:
-    return str.__str__(self)
-
-
-def alert_if(metrics: dict[str, float], metric: str, threshold: float | None, relation: str,
-             hint: str = "") -> list[Alert]:
-  """A one-element list with an :class:`Alert` when ``metrics[metric]`` crosses ``threshold``.
-
-  ``relation`` is ``">"`` (alert when the value exceeds a maximum) or ``"<"``
-  (alert when it is below a minimum). A ``None`` threshold disables the check;
-  a NaN value (empty selection) never alerts.
-  """
-  if threshold is None:
-    return []
-  value = float(metrics[metric])
-  if math.isnan(value):
-    return []
-  crossed = value > threshold if relation == ">" else value < threshold
-  if not crossed:
-    return []
-  return [Alert(metric.replace("/", "_"), metric, value, float(threshold), relation, hint)]
 
 
 def check_limit(who: str, name: str, value: Any, lo: float = 0.0, hi: float = math.inf,
@@ -225,3 +136,7 @@ def settings_checker(section: str, settings: Any) -> Callable[[bool, str, str], 
       raise ValueError(f"{section}.{field}={getattr(settings, field)!r}: expected {expected}")
 
   return need
+
+
+__all__ = ["NAN", "as_mask", "check_bt", "check_limit", "check_quantiles", "count", "extremum", "masked_f64", "mean",
+           "quantile_name", "quantiles", "safe_ratio", "settings_checker", "shape_of", "share", "total"]

@@ -10,8 +10,11 @@ response tokens, N of them)::
 On fresh data (lag 0) with a sampler and learner that compute the same numbers
 r_t = 1 exactly; any spread is numerical mismatch (precision, reduction order,
 kernels, temperature or top-k/top-p applied differently) and turns nominally
-on-policy training into off-policy training (seed document "On-Policy 与数值失配":
-"更新前一致性检查 ... 监控 ρ_t 的均值、分位数、最大值、近似 KL 和被裁剪比例").
+on-policy training into off-policy training (Yao et al., 2025; Qi et al.,
+arXiv:2510.26788). The check therefore monitors, before every update, the mean,
+quantiles and extremes of r_t, approximate KL estimates and the share of ratios
+outside a trust band.
+
 On stale data (lag > 0) the same statistics measure the policy change since
 sampling as well; :class:`jaxrl_llm.diagnostics.StepDiagnostics` therefore runs
 the check on the lag-0 tokens and reports the whole batch's ratios under the
@@ -31,7 +34,8 @@ import numpy as np
 from jaxtyping import ArrayLike, Bool, Float
 
 from jaxrl_llm.diagnostics import _host as H
-from jaxrl_llm.diagnostics._host import Alert
+from jaxrl_llm.diagnostics.alerts import Alert, alert_if
+from jaxrl_llm.settings import NONNEG, UNIT, at_least, check, optional, setting
 
 DEFAULT_BOUNDS = (0.8, 1.25)
 DEFAULT_QUANTILES = (0.01, 0.5, 0.99)
@@ -102,7 +106,7 @@ def consistency_stats(
     behaviour_logp_bt: float [B, T] log mu recorded by the sampler.
     mask_bt: bool [B, T] tokens to include (response tokens).
     bounds: ``(lo, hi)`` of the out-of-bounds share, 0 <= lo <= 1 <= hi.
-    quantiles: quantile levels in [0, 1] (names per :func:`_host.quantile_name`).
+    quantiles: quantile levels in [0, 1] (names per :func:`jaxrl_llm.objectives.stats.quantile_name`).
     prefix: metric name prefix.
 
   Returns:
@@ -114,9 +118,11 @@ def consistency_stats(
       invalid bounds / quantiles.
 
   References:
-    Seed document "On-Policy 与数值失配" (pre-update consistency check);
-    Yao et al., Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training (sampler/trainer mismatch; blog post, 2025);
+    Yao, Liu et al., Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training (sampler/trainer mismatch; blog post, 2025,
+    fengyao.notion.site/off-policy-rl); Qi et al., Defeating the
+    Training-Inference Mismatch via FP16, arXiv:2510.26788; MiniMax-M1,
+    arXiv:2506.13585 (FP32 LM head against the mismatch);
     Schulman, Approximating KL Divergence (k1/k2/k3), joschu.net, 2020;
     Kish, Survey Sampling (1965) / Owen, Monte Carlo theory (ESS), ch. 9.
   """
@@ -148,45 +154,42 @@ def consistency_stats(
   return {f"{prefix}/{k}": float(v) for k, v in sorted(out.items())}
 
 
+_LIMIT = optional(NONNEG, "no limit")
+_SHARE = optional(UNIT, "no limit")
+
+
 @dataclasses.dataclass(frozen=True)
 class ConsistencyThresholds:
   """Limits of the consistency check; ``None`` disables a limit.
 
   The defaults flag a sampler/learner mismatch that already changes training:
   k3 = 1e-3 is an RMS log-ratio of about 0.045 (k3 ~ E[d^2]/2 for small d),
-  matching the 0.05 limit on mean |d|; 5 % of tokens outside [0.8, 1.25] is
-  the share the seed's staleness filter would start discarding; an ESS rate
+  matching the 0.05 limit on mean |d|; 5 % of tokens outside [0.8, 1.25] (the
+  default band of :func:`jaxrl_llm.objectives.staleness_filter`) is the share
+  that filter would start discarding on fresh data; an ESS rate
   under 0.5 means a few tokens carry half the importance weight (one token
   with r = 100 among 10^4 tokens already brings it to about 0.5; ``max_ratio``
   flags such a token by itself). These limits are for fresh (lag-0) tokens:
   stale tokens differ by the policy change since sampling, so run the check
   on ``mask_bt & (lag_bt == 0)`` in asynchronous training.
   A bit-identical sampler (batch-invariant mode) gives 0 / 0 / 0 / 1 / 1 / 1.
-
-  Attributes:
-    max_abs_log_ratio_mean: limit on ``abs_log_ratio_mean``.
-    max_kl_k3: limit on ``kl_k3``.
-    max_out_of_bounds: limit on ``out_of_bounds``.
-    min_ess_rate: lower limit on ``ess_rate``.
-    max_ratio: limit on ``ratio_max``.
-    min_ratio: lower limit on ``ratio_min``.
+  The fields are ``config.diagnostics`` fields (limits on ``abs_log_ratio_mean``,
+  ``kl_k3``, ``out_of_bounds``, ``ess_rate``, ``ratio_max``, ``ratio_min``).
   """
 
-  max_abs_log_ratio_mean: Optional[float] = 0.05
-  max_kl_k3: Optional[float] = 1e-3
-  max_out_of_bounds: Optional[float] = 0.05
-  min_ess_rate: Optional[float] = 0.5
-  max_ratio: Optional[float] = 10.0
-  min_ratio: Optional[float] = 0.1
+  max_abs_log_ratio_mean: Optional[float] = setting(
+      0.05, "consistency alert above this mean |log pi - log mu| on fresh tokens (None: no limit)", _LIMIT)
+  max_kl_k3: Optional[float] = setting(1e-3, "consistency alert above this k3 KL(mu || pi) (None: no limit)", _LIMIT)
+  max_out_of_bounds: Optional[float] = setting(
+      0.05, "consistency alert above this share of tokens with pi / mu outside [0.8, 1.25] (None: no limit)", _SHARE)
+  min_ess_rate: Optional[float] = setting(
+      0.5, "consistency alert below this effective-sample-size rate of pi / mu (None: no limit)", _SHARE)
+  max_ratio: Optional[float] = setting(10.0, "consistency alert above this largest pi / mu (None: no limit)",
+                                       optional(at_least(1), "no limit"))
+  min_ratio: Optional[float] = setting(0.1, "consistency alert below this smallest pi / mu (None: no limit)", _SHARE)
 
   def __post_init__(self):
-    who = "ConsistencyThresholds"
-    H.check_limit(who, "max_abs_log_ratio_mean", self.max_abs_log_ratio_mean)
-    H.check_limit(who, "max_kl_k3", self.max_kl_k3)
-    H.check_limit(who, "max_out_of_bounds", self.max_out_of_bounds, hi=1.0)
-    H.check_limit(who, "min_ess_rate", self.min_ess_rate, hi=1.0)
-    H.check_limit(who, "max_ratio", self.max_ratio, lo=1.0)
-    H.check_limit(who, "min_ratio", self.min_ratio, hi=1.0)
+    check(self, "diagnostics")
 
 
 _HINT = ("sampler and learner disagree on log pi: check temperature, top-k/top-p, dtype, "
@@ -230,6 +233,6 @@ def consistency_alerts(stats: dict[str, float],
     if key not in stats:
       raise ValueError(f"consistency_alerts: stats has no {key!r}; pass the output of "
                        f"consistency_stats(..., prefix={prefix!r})")
-    alerts += H.alert_if(stats, key, getattr(thresholds, field), relation, _HINT)
+    alerts += alert_if(stats, key, getattr(thresholds, field), relation, _HINT)
   return alerts
 

@@ -1,11 +1,12 @@
 """Closed-loop off-policy control: the clip range and the staleness window follow
 the measured update drift and staleness.
 
-The seed documents split "will this update improve the policy" into measured
+The off-policy improvement bounds (TRPO, arXiv:1502.05477; GePPO,
+arXiv:2111.00072) split "will this update improve the policy" into measured
 quantities; two of them have a direct actuator:
 
 * **update drift** U_k = TV(pi_{k+1}, pi_k) on the batch tokens
-  (:func:`jaxrl_llm.diagnostics.offpolicy.update_drift`). Its actuator is the
+  (:func:`jaxrl_llm.diagnostics.drift.update_drift`). Its actuator is the
   clip range eps: a smaller eps clips more tokens and bounds the step. When
   U_k stays above ``drift_target * tolerance`` the controller multiplies the
   clip scale by ``tighten`` (< 1); below ``drift_target / tolerance`` by
@@ -13,7 +14,7 @@ quantities; two of them have a direct actuator:
   GePPO rule (Queeney et al., arXiv:2111.00072, which adapts the step size so
   the TV drift tracks a target) applied to eps instead of the learning rate.
 * **staleness** S_k = TV(pi_k, mu) of the data the learner trains on
-  (:func:`jaxrl_llm.diagnostics.offpolicy.staleness`). Its actuator is the
+  (:func:`jaxrl_llm.diagnostics.drift.staleness`). Its actuator is the
   staleness window of the PipelineRL feeder (``rollout.max_lag``): above
   ``staleness_target * tolerance`` the window shrinks by one version, below
   ``staleness_target / tolerance`` it grows back by one, never beyond the
@@ -33,7 +34,8 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
-from jaxrl_llm.diagnostics._host import settings_checker
+from jaxrl_llm.settings import (BOOL, NONNEG, NONNEG_INT, POSITIVE, at_least, check, greater_than, in_range, require,
+                                setting)
 
 CLIP_KEY = "clip"  # Controlled key of the clip-range hyper-parameters
 KL_KEY = "kl"  # Controlled key of the KL-loss coefficient
@@ -43,44 +45,34 @@ KL_KEY = "kl"  # Controlled key of the KL-loss coefficient
 class ControlSettings:
   """Targets and gains of :class:`OffPolicyController` (``config.control``).
 
-  Attributes:
-    drift_target: target update drift U_k (TV per step), > 0.
-    staleness_target: target staleness S_k (TV between pi_k and mu), > 0.
-    tolerance: dead band factor (> 1): act only above target * tolerance or
-      below target / tolerance.
-    tighten: clip-scale multiplier when drift is too high, in (0, 1).
-    relax: clip-scale multiplier when drift is low, >= 1.
-    min_clip_scale, max_clip_scale: bounds of the clip scale (eps = base * scale).
-    max_lag: the largest staleness window (the configured ``rollout.max_lag``).
-    min_lag: the smallest window the controller may set (>= 0).
-    kl_target: target per-token KL to the reference policy; 0 disables the
-      adaptive KL coefficient.
-    kl_horizon: episodes over which the KL coefficient changes by at most 20 %.
+  Each field is declared once with its meaning and check (:func:`jaxrl_llm.settings.setting`);
+  ``max_lag`` is not a config field: a run fills in its ``rollout.max_lag``.
   """
 
-  drift_target: float = 0.02
-  staleness_target: float = 0.05
-  tolerance: float = 1.5
-  tighten: float = 0.8
-  relax: float = 1.05
-  min_clip_scale: float = 0.1
-  max_clip_scale: float = 1.0
-  max_lag: int = 0
-  min_lag: int = 0
-  kl_target: float = 0.0
-  kl_horizon: float = 10000.0
+  enabled: bool = setting(False, "closed-loop control of the clip range, staleness window and KL coefficient", BOOL)
+  drift_target: float = setting(0.02, "target update drift U_k (TV distance between pi_k+1 and pi_k per step)",
+                                POSITIVE)
+  staleness_target: float = setting(0.05, "target staleness S_k (TV distance between pi_k and the sampler's mu)",
+                                    POSITIVE)
+  tolerance: float = setting(1.5, "dead band: act only above target * tolerance or below target / tolerance",
+                             greater_than(1))
+  tighten: float = setting(0.8, "clip-scale multiplier when the drift is too high",
+                           in_range(0, 1, low_open=True, high_open=True))
+  relax: float = setting(1.05, "clip-scale multiplier when the drift is low", at_least(1))
+  min_clip_scale: float = setting(0.1, "smallest clip scale (eps = base eps * clip scale)", POSITIVE)
+  max_clip_scale: float = setting(1.0, "largest clip scale", POSITIVE)
+  max_lag: int = setting(0, "largest staleness window: the run's rollout.max_lag (0 unless rollout.mode='pipeline')",
+                         NONNEG_INT, config=False)
+  min_lag: int = setting(0, "smallest staleness window the controller may set", NONNEG_INT)
+  kl_target: float = setting(0.0, "target per-token KL to the reference policy; > 0: adaptive coefficient of the "
+                             "recipe's KL term (needs an effective kl_coef > 0)", NONNEG)
+  kl_horizon: float = setting(10000.0, "episodes over which the KL coefficient changes by at most 20 %", POSITIVE)
 
   def __post_init__(self):
-    need = settings_checker("control", self)
-    need(self.drift_target > 0, "drift_target", "> 0")
-    need(self.staleness_target > 0, "staleness_target", "> 0")
-    need(self.tolerance > 1, "tolerance", "> 1")
-    need(0 < self.tighten < 1, "tighten", "in (0, 1)")
-    need(self.relax >= 1, "relax", ">= 1")
-    need(0 < self.min_clip_scale <= self.max_clip_scale, "min_clip_scale", "in (0, max_clip_scale]")
-    need(0 <= self.min_lag <= max(self.max_lag, 0), "min_lag", f"in [0, max_lag={self.max_lag}]")
-    need(self.kl_target >= 0, "kl_target", ">= 0")
-    need(self.kl_horizon > 0, "kl_horizon", "> 0")
+    check(self, "control")
+    require(self, "control", self.min_clip_scale <= self.max_clip_scale, "min_clip_scale",
+            f"<= control.max_clip_scale={self.max_clip_scale}")
+    require(self, "control", self.min_lag <= self.max_lag, "min_lag", f"in [0, max_lag={self.max_lag}]")
 
 
 @dataclasses.dataclass

@@ -13,8 +13,8 @@ On a regression the loop restores the parameters, optimizer state and
 objective state of the last good version, multiplies the learning-rate scale
 by ``lr_shrink`` (and the clip scale by ``clip_shrink``), logs the event and
 continues with new prompts; otherwise the current version becomes the new
-good one. This is the seeds' "validate each update, roll back a regression",
-the practical form of the monotonic-improvement guarantee of TRPO/PPO
+good one. Validating each update and rolling back a regression is the
+practical form of the monotonic-improvement guarantee of TRPO/PPO
 (Schulman et al., arXiv:1502.05477), which holds only for small, well-estimated
 steps.
 
@@ -29,40 +29,25 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
-from jaxrl_llm.diagnostics._host import settings_checker
+from jaxrl_llm.settings import BOOL, NONNEG, POSITIVE_INT, check, in_range, setting
 
 
 @dataclasses.dataclass(frozen=True)
 class GuardSettings:
-  """``config.guard``.
+  """``config.guard``: each field declared once with its meaning and check (:func:`jaxrl_llm.settings.setting`)."""
 
-  Attributes:
-    every: evaluate every this many RL steps (>= 1).
-    eval_size: held-out prompts per check (>= 1).
-    min_drop: smallest accuracy drop that counts as a regression (>= 0).
-    z: standard errors a drop must exceed (>= 0).
-    lr_shrink: learning-rate scale multiplier after a rollback, in (0, 1].
-    clip_shrink: clip-scale multiplier after a rollback, in (0, 1].
-    max_rollbacks: stop the run after this many rollbacks in a row (>= 1).
-  """
-
-  every: int = 25
-  eval_size: int = 128
-  min_drop: float = 0.05
-  z: float = 2.0
-  lr_shrink: float = 0.5
-  clip_shrink: float = 1.0
-  max_rollbacks: int = 3
+  enabled: bool = setting(False, "held-out check every `every` RL steps; roll back a significant regression", BOOL)
+  every: int = setting(25, "RL steps between two guard checks", POSITIVE_INT)
+  eval_size: int = setting(128, "held-out prompts per check", POSITIVE_INT)
+  min_drop: float = setting(0.05, "smallest accuracy drop that counts as a regression", NONNEG)
+  z: float = setting(2.0, "standard errors a drop must exceed to count", NONNEG)
+  lr_shrink: float = setting(0.5, "learning-rate scale multiplier after a rollback", in_range(0, 1, low_open=True))
+  clip_shrink: float = setting(1.0, "clip-scale multiplier after a rollback (< 1 needs control.enabled)",
+                               in_range(0, 1, low_open=True))
+  max_rollbacks: int = setting(3, "stop the run after more than this many rollbacks in a row", POSITIVE_INT)
 
   def __post_init__(self):
-    need = settings_checker("guard", self)
-    need(isinstance(self.every, int) and self.every >= 1, "every", "an integer >= 1")
-    need(isinstance(self.eval_size, int) and self.eval_size >= 1, "eval_size", "an integer >= 1")
-    need(self.min_drop >= 0, "min_drop", ">= 0")
-    need(self.z >= 0, "z", ">= 0")
-    need(0 < self.lr_shrink <= 1, "lr_shrink", "in (0, 1]")
-    need(0 < self.clip_shrink <= 1, "clip_shrink", "in (0, 1]")
-    need(isinstance(self.max_rollbacks, int) and self.max_rollbacks >= 1, "max_rollbacks", "an integer >= 1")
+    check(self, "guard")
 
 
 @dataclasses.dataclass

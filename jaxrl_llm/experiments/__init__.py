@@ -2,7 +2,7 @@
 
   from jaxrl_llm import experiments
   exp = experiments.Experiment(name="eps_sweep", config="configs/grpo_addition.py",
-                               sweep=[{"objective.eps": 0.1}, {"objective.eps": 0.2}])
+                               sweep=[{"objective.kwargs.eps": 0.1}, {"objective.kwargs.eps": 0.2}])
   experiments.run_local(exp)           # processes on this machine; no XManager needed
   experiments.launch_xm(exp)           # the same definition through XManager ([xm] extra)
 

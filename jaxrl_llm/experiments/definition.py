@@ -20,7 +20,7 @@ Example::
 
   exp = Experiment(name="eps_sweep", config="configs/grpo_addition.py",
                    overrides={"rl.steps": 50},
-                   sweep=[{"objective.eps": 0.1}, {"objective.eps": 0.2}])
+                   sweep=[{"objective.kwargs.eps": 0.1}, {"objective.kwargs.eps": 0.2}])
   units = plan(exp)            # raises ConfigError naming a bad field, launches nothing
 """
 
@@ -50,7 +50,7 @@ class Experiment:
   Attributes:
     name: experiment name (a folder name: no '/').
     config: path of a ``configs/*.py`` file with ``get_config()``.
-    sweep: one override dict per work unit, e.g. ``[{"objective.eps": 0.1}, ...]``;
+    sweep: one override dict per work unit, e.g. ``[{"objective.kwargs.eps": 0.1}, ...]``;
       keys are dotted config paths.
     overrides: applied to every work unit before its sweep point.
     learner_processes: processes of each run's learner (multi-host when > 1).
@@ -132,7 +132,7 @@ class WorkUnit:
     return os.path.join(self.directory, "logs")
 
   def learner_flags(self) -> dict[str, Any]:
-    """``launch.train`` flags as an ordered dict (``{"config.objective.eps": 0.1, ...}``).
+    """``launch.train`` flags as an ordered dict (``{"config.objective.kwargs.eps": 0.1, ...}``).
 
     XManager turns a dict into ``--key=value`` arguments; :meth:`jobs` does
     the same for local processes.

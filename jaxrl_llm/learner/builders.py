@@ -3,15 +3,17 @@
 Each builder reads one part of the config and names the field in its errors:
 the tokenizer (a Hugging Face folder or a char tokenizer for built-in tasks), the
 model config and initial parameters (random or imported from a HF checkpoint,
-straight into the mesh sharding), the objective chain and the optimizers.
+straight into the mesh sharding), the objective (``objective.recipe`` with
+``objective.kwargs``, see :func:`recipe_call`) and the optimizers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +28,6 @@ from jaxrl_llm.learner import optim
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import INIT_STD
 from jaxrl_llm.tasks import base as task_base
-
-# config.advantage.estimator -> jaxrl_llm.advantages estimator name.
-GROUP_ESTIMATORS = {"grpo": "grpo", "dr_grpo": "drgrpo", "rloo": "rloo"}
 
 
 def build_tokenizer(config: ml_collections.ConfigDict, task: task_base.Task) -> bridge.Tokenizer:
@@ -115,72 +114,227 @@ def _fresh_head(model_config: ModelConfig, shardings: Any, key: jax.Array) -> di
   return jax.jit(init, out_shardings=shardings)(key)
 
 
-def build_objective(config: ml_collections.ConfigDict, max_new_tokens: int) -> O.ObjectiveTransform:
-  """``objectives.recipe(config.objective.recipe, **set fields)``.
+# ------------------------------------------------------------------ objective
+#
+# config.objective -> RECIPES[objective.recipe](**arguments). The recipe is the single
+# default: a parameter left out of objective.kwargs takes the default of the recipe's
+# signature, exactly as objectives.recipe(name) would; no recipe is special-cased by
+# name. The few parameters that depend on the run rather than on the algorithm are
+# filled in by parameter NAME, for every recipe that takes one (RUN_VALUES):
+#   max_response_len  <- float(rl.max_new_tokens)   (Dr.GRPO's constant C)
+#   value_coef        <- None when critic.enabled is False (no value loss);
+#                        with a critic, the recipe's default
+# A recipe parameter without a default that is not in this table cannot be built from
+# a config. Whether a run needs a reference policy follows from the effective kl_coef
+# of the call (the recipe's default included).
 
-  Fields left at None take the recipe's default. A set field that the recipe
-  does not accept is an error naming the field and the recipe's parameters.
-  ``dr_grpo``'s normalising constant defaults to ``rl.max_new_tokens``; the PPO
-  value-loss terms are dropped when no critic is configured.
+
+def parameters(fn: Callable) -> dict[str, inspect.Parameter]:
+  """The keyword-passable parameters of a recipe or task factory, by name (in signature order)."""
+  kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  return {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind in kinds}
+
+
+def unknown_kwargs(path: str, kwargs: Mapping[str, Any], fn: Callable, what: str) -> list[str]:
+  """Errors for keys of ``kwargs`` that ``fn`` does not take, each naming ``<path>.<key>`` and what ``fn`` takes."""
+  accepted = parameters(fn)
+  return [f"{path}.{k}={v!r}: not a parameter of {what} (it takes: {', '.join(accepted) or 'nothing'})"
+          for k, v in kwargs.items() if k not in accepted]
+
+
+class _RecipeDefault:
+  """Marker of :data:`RUN_VALUES`: the run leaves the recipe's default in place."""
+
+  def __repr__(self):
+    return "RECIPE_DEFAULT"
+
+
+RECIPE_DEFAULT = _RecipeDefault()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunValue:
+  """A recipe parameter whose value comes from the run.
+
+  Attributes:
+    source: what the run provides, in words (shown in docs/config.md).
+    value: ``config -> value`` (or :data:`RECIPE_DEFAULT`), used when
+      ``objective.kwargs`` does not set the parameter.
+    conflict: ``(config, explicit value) -> error text or None``: an explicit
+      value the run cannot honour.
   """
-  oc = config.objective
-  name = oc.recipe
-  fn = O.RECIPES[name]
-  accepted = set(inspect.signature(fn).parameters)
-  kwargs = {}
-  for key, value in oc.items():
-    if key == "recipe" or value is None:
+
+  source: str
+  value: Callable[[ml_collections.ConfigDict], Any]
+  conflict: Optional[Callable[[ml_collections.ConfigDict, Any], Optional[str]]] = None
+
+
+def _value_coef_conflict(config: ml_collections.ConfigDict, value: Any) -> Optional[str]:
+  if value is None or config.critic.enabled:
+    return None
+  return "expected None or unset with critic.enabled=False (the value loss needs a critic's values)"
+
+
+RUN_VALUES: dict[str, RunValue] = {
+    "max_response_len": RunValue("float(rl.max_new_tokens)", lambda c: float(c.rl.max_new_tokens)),
+    "value_coef": RunValue("None when critic.enabled=False (no value loss); else the recipe's default",
+                           lambda c: RECIPE_DEFAULT if c.critic.enabled else None, _value_coef_conflict),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeCall:
+  """A resolved ``config.objective``.
+
+  Attributes:
+    recipe: the recipe name.
+    arguments: what the recipe is called with: ``objective.kwargs`` plus the
+      run-provided values of :data:`RUN_VALUES` (never a recipe default).
+    values: every parameter's effective value (recipe defaults filled in).
+  """
+
+  recipe: str
+  arguments: dict
+  values: dict
+
+  @property
+  def fn(self) -> Callable[..., O.ObjectiveTransform]:
+    return O.RECIPES[self.recipe]
+
+  @property
+  def kl_coef(self) -> float:
+    """The effective coefficient of the recipe's KL-to-reference term (0.0 when it has none)."""
+    return float(self.values.get("kl_coef") or 0.0)
+
+  @property
+  def entropy_coef(self) -> float:
+    """The effective entropy-bonus coefficient (0.0 when the recipe has none)."""
+    return float(self.values.get("entropy_coef") or 0.0)
+
+  def build(self, **overrides: Any) -> O.ObjectiveTransform:
+    """``RECIPES[recipe](**arguments, **overrides)`` (``overrides``: e.g. controlled hyper-parameters)."""
+    return self.fn(**{**self.arguments, **overrides})
+
+
+def recipe_call(config: ml_collections.ConfigDict) -> RecipeCall:
+  """Resolves ``config.objective`` (and the run values) into a :class:`RecipeCall`.
+
+  Raises:
+    ValueError: naming ``objective.kwargs.<name>`` for a parameter the recipe
+      does not take or an explicit value the run cannot honour, or a required
+      parameter that neither the config nor the run provides.
+  """
+  errors = kwarg_errors(config)
+  call = _resolve(config, errors)
+  if errors:
+    raise ValueError("; ".join(errors))
+  return call
+
+
+def kwarg_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """Keys of ``objective.kwargs`` that the recipe does not take."""
+  name = config.objective.recipe
+  return unknown_kwargs("objective.kwargs", dict(config.objective.kwargs), O.RECIPES[name],
+                        f"recipe {name!r}")
+
+
+def objective_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """Problems of a ``config.objective`` whose kwargs the recipe takes: values the run cannot honour, a
+  required parameter nobody provides, values the recipe itself rejects (for ``validate``)."""
+  errors: list[str] = []
+  call = _resolve(config, errors)
+  if errors:
+    return errors
+  try:
+    call.build()
+  except (TypeError, ValueError) as e:
+    return [f"objective.kwargs={call.arguments!r}: recipe {call.recipe!r} rejects them: {e}"]
+  return []
+
+
+def _resolve(config: ml_collections.ConfigDict, errors: list[str]) -> RecipeCall:
+  """The call of ``config.objective``; appends resolution problems to ``errors``."""
+  name = config.objective.recipe
+  given = dict(config.objective.kwargs)
+  arguments, values = {}, {}
+  for pname, param in parameters(O.RECIPES[name]).items():
+    rule = RUN_VALUES.get(pname)
+    if pname in given:
+      value = given[pname]
+      problem = rule.conflict(config, value) if rule and rule.conflict else None
+      if problem:
+        errors.append(f"objective.kwargs.{pname}={value!r}: {problem}")
+    elif rule is not None and rule.value(config) is not RECIPE_DEFAULT:
+      value = rule.value(config)
+    elif param.default is not inspect.Parameter.empty:
+      values[pname] = param.default
       continue
-    if key not in accepted:
-      raise ValueError(f"objective.{key}={value!r} is not a parameter of recipe {name!r} "
-                       f"(it takes: {sorted(accepted)})")
-    kwargs[key] = value
-  if name == "dr_grpo":
-    kwargs.setdefault("constant", float(max_new_tokens))
-  if name == "ppo" and not config.critic.enabled:
-    kwargs["value_coef"] = None
-  if name == "grpo" and "kl_coef" not in kwargs:
-    kwargs["kl_coef"] = 0.0  # a KL term needs a reference policy; ask for it explicitly
+    else:
+      errors.append(f"objective.kwargs.{pname}: recipe {name!r} needs it (no default, and the run provides none)")
+      continue
+    arguments[pname] = values[pname] = value
+  return RecipeCall(name, arguments, values)
+
+
+def build_objective(config: ml_collections.ConfigDict) -> O.ObjectiveTransform:
+  """The objective of ``config.objective``: :func:`recipe_call` built, with controlled hyper-parameters
+  under ``control.enabled`` (the clip range; with ``control.kl_target``, the KL coefficient too).
+
+  Raises:
+    ValueError: naming ``objective.kwargs.<name>`` for a parameter the recipe
+      does not take (and listing what it takes).
+  """
+  call = recipe_call(config)
   if config.control.enabled:
-    kwargs.update(controlled_hypers(fn, kwargs, kl=config.control.kl_target > 0))
-  return fn(**kwargs)
+    return call.build(**controlled_hypers(call, kl=config.control.kl_target > 0))
+  return call.build()
 
 
 CLIP_HYPERS = ("eps", "eps_low", "eps_high")
 
 
-def controlled_hypers(recipe_fn, kwargs: dict, kl: bool = False) -> dict:
+def controlled_hypers(call: RecipeCall, kl: bool = False) -> dict:
   """The recipe's clip-range hyper-parameters (and KL coefficient) as
   :class:`~jaxrl_llm.objectives.Controlled` values, so the off-policy controller
   can scale them between steps (eps = base * clip scale).
 
   Args:
-    recipe_fn: the recipe factory.
-    kwargs: the arguments it will get (set fields); defaults fill the rest.
+    call: the resolved recipe call (its effective values give the bases).
     kl: also control ``kl_coef`` (adaptive KL coefficient).
 
   Returns:
     ``{name: Controlled(base, key)}`` for each clip hyper-parameter the recipe
     takes with a numeric value.
   """
-  params = inspect.signature(recipe_fn).parameters
   out = {}
   for name in CLIP_HYPERS + (("kl_coef",) if kl else ()):
-    if name not in params:
-      continue
-    value = kwargs.get(name, params[name].default)
+    value = call.values.get(name)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       out[name] = O.Controlled(float(value), control.KL_KEY if name == "kl_coef" else control.CLIP_KEY)
   return out
 
 
+def objective_kl_coef(config: ml_collections.ConfigDict) -> float:
+  """The effective coefficient of the recipe's KL term (the recipe's default when ``objective.kwargs`` omits it)."""
+  return recipe_call(config).kl_coef
+
+
+def objective_uses_entropy(config: ml_collections.ConfigDict) -> bool:
+  """Whether the recipe has an entropy bonus (the learner then computes per-token entropies)."""
+  return recipe_call(config).entropy_coef > 0
+
+
 def objective_uses_reference(config: ml_collections.ConfigDict) -> bool:
-  return bool(config.objective.kl_coef)
+  """Whether the built recipe has a KL term against the reference policy (effective ``kl_coef`` > 0)."""
+  return objective_kl_coef(config) > 0
 
 
 def needs_reference_policy(config: ml_collections.ConfigDict) -> bool:
   """A frozen copy of the warm-started policy is kept: for a KL loss term or the KL penalty in the reward."""
   return objective_uses_reference(config) or bool(config.advantage.kl_reward_coef)
+
+
+# ------------------------------------------------------------------ optimizers
 
 
 def build_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:

@@ -1,8 +1,9 @@
 """Device mesh for the learner: ('data', 'fsdp', 'tensor') axes built from config.
 
-Model code names logical axes only (see :mod:`jaxrl_llm.models.sharding`); the
+Model code names logical axes only (see :mod:`jaxrl_llm.models.axes`); the
 mesh decides how many devices each mesh axis spans. One size may be -1 ("fill"):
-it takes all remaining devices.
+it takes all remaining devices. ``batch_sharding(mesh, ndim)`` (from
+:mod:`jaxrl_llm.models.sharding`) shards the batch dimension over ``BATCH_AXES``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrl_llm.models.sharding import batch_sharding  # the batch layout of the logical-axis table
+
 MESH_AXES = ("data", "fsdp", "tensor")
-# Axes the batch dimension is split over: both data-parallel and FSDP shard examples.
+# Axes the batch dimension is split over: both data-parallel and FSDP shard examples
+# (the "batch" entry of models.axes.LOGICAL_AXIS_RULES).
 BATCH_AXES = ("data", "fsdp")
 
 
@@ -58,12 +62,8 @@ def make_mesh(sizes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] 
   return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), MESH_AXES)
 
 
-def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-  """Shards axis 0 of a rank-``ndim`` array over the batch axes, replicates the rest."""
-  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
+  """The sharding that puts a whole copy on every device of ``mesh``."""
   return NamedSharding(mesh, P())
 
 
@@ -91,3 +91,7 @@ def check_grad_atoms(mesh: Mesh, atoms: int, batch_axes: Sequence[str] = BATCH_A
                      f"{'*'.join(batch_axes)}={shards} (learner.mesh={dict(mesh.shape)}); every device "
                      "holds whole atoms")
   return atoms // shards
+
+
+__all__ = ["BATCH_AXES", "MESH_AXES", "batch_divisor", "batch_sharding", "check_grad_atoms", "make_mesh",
+           "replicated", "resolve_mesh_shape"]

@@ -67,8 +67,16 @@ def collate(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], 
   return SftBatch(jnp.asarray(tokens), jnp.asarray(seq), jnp.asarray(mask))
 
 
-def sft_loss(params, batch: SftBatch, num_target_tokens: jax.Array, config: ModelConfig):
-  """Negative log-likelihood summed over this (micro-)batch / global target-token count."""
+def sft_token_loss(params, batch: SftBatch, num_target_tokens: jax.Array, config: ModelConfig):
+  """Negative log-likelihood summed over this (micro-)batch / global target-token count.
+
+  The loss of an SFT step (a token mean once the micro-batches are summed);
+  not to be confused with :func:`jaxrl_llm.objectives.sft_loss`, the objective
+  transform that adds an SFT term to an RL loss (PPO-ptx).
+
+  Returns:
+    ``(loss, {"nll_sum": float32 scalar})``.
+  """
   mask = batch.target_mask_bt
   logp_bt = models.sequence_logprobs(params, config, batch.tokens_bt, batch.seq_mask_bt, 1.0)
   nll = reduce.token_sum(-logp_bt, mask)
@@ -88,7 +96,7 @@ def make_sft_step(config: ModelConfig, optimizer: optax.GradientTransformation, 
       micro-batch count, mesh layout and process count).
     mesh: the learner mesh (needed with ``grad_atoms``).
   """
-  loss_fn = functools.partial(sft_loss, config=config)
+  loss_fn = functools.partial(sft_token_loss, config=config)
   if grad_atoms and mesh is None:
     raise ValueError("make_sft_step: grad_atoms > 0 (batch-invariant path) needs the learner mesh")
 

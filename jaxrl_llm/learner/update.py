@@ -52,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_llm import reduce
 from jaxrl_llm.learner.mesh import BATCH_AXES, check_grad_atoms
 from jaxrl_llm.learner.state import TrainState
-from jaxrl_llm.models import sharding
+from jaxrl_llm.models import axes
 from jaxrl_llm.ops import opaque
 
 
@@ -152,7 +152,7 @@ def manual_rules():
   inside ``shard_map`` that mesh's axes are manual and each device already
   holds its own block, so the constraints must name no mesh axis.
   """
-  return nn.logical_axis_rules(tuple((name, None) for name, _ in sharding.current_rules()))
+  return nn.logical_axis_rules(tuple((name, None) for name, _ in axes.current_rules()))
 
 
 def jit_keeping_state_sharding(fn: Callable[..., tuple], mesh: Mesh) -> Callable[..., tuple]:

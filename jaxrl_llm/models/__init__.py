@@ -10,14 +10,19 @@ Parameters (``init_params``) are plain nested dicts with kernels ``[in, out]``::
 Entry points: ``init_params``, ``forward``, ``sequence_logprobs`` (the learner's
 log-probabilities), ``sequence_logprobs_and_entropy``, ``reward_scores``, and the
 sampler's ``prefill`` / ``decode_step`` with a ``KVCache``; ``param_shardings``
-maps every parameter to a ``NamedSharding`` through ``LOGICAL_AXIS_RULES``.
+maps every parameter (``batch_sharding`` the batch dimension of a batch array)
+to a ``NamedSharding`` through ``LOGICAL_AXIS_RULES``.
+
+Modules, lowest first: ``config``, ``axes`` (the logical-axis table),
+``layers``, ``transformer``, ``api``, ``sharding``.
 """
 
 from jaxrl_llm.models.api import (KVCache, decode_step, forward, init_params, last_true_index,
                                   positions_from_mask, prefill, reward_scores, sequence_logprobs,
                                   sequence_logprobs_and_entropy)
+from jaxrl_llm.models.axes import LOGICAL_AXIS_RULES
 from jaxrl_llm.models.config import FAMILIES, ModelConfig, RopeScaling, tiny
-from jaxrl_llm.models.sharding import LOGICAL_AXIS_RULES, logical_axes, param_shardings
+from jaxrl_llm.models.sharding import batch_sharding, logical_axes, param_shardings
 from jaxrl_llm.models.transformer import Decoder
 
 __all__ = [
@@ -27,6 +32,7 @@ __all__ = [
     "LOGICAL_AXIS_RULES",
     "ModelConfig",
     "RopeScaling",
+    "batch_sharding",
     "decode_step",
     "forward",
     "init_params",

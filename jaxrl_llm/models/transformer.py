@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm import ops
+from jaxrl_llm.models.axes import constrain
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import (Embedding, Linear, Scale, apply_rope, dtype, linear, rms_norm,
                                      rope_cos_sin, rope_inverse_frequencies)
-from jaxrl_llm.models.sharding import constrain
 
 HEAD_OUTPUTS = ("hidden", "logits", "values", "rewards")
 

@@ -29,7 +29,7 @@ from jaxrl_llm.objectives.base import (Controlled, ControlledState, CountState, 
                                        scheduled, set_control, stateless)
 from jaxrl_llm.objectives.importance import (LEVELS, masked_is, segment_is, segment_sums,
                                              staleness_filter, truncated_is)
-from jaxrl_llm.objectives.loss import (Partials, batch_fields, concat_partials, finalize,
+from jaxrl_llm.objectives.loss import (Partials, concat_partials, finalize,
                                        loss_normaliser, micro_batch_loss, objective_loss,
                                        per_example_partials)
 from jaxrl_llm.objectives.policy import (cispo, clipped_objective, decoupled, dual_clip,
@@ -44,7 +44,7 @@ __all__ = [
     "AGGREGATIONS", "Controlled", "ControlledState", "CountState", "control_keys", "get_control",
     "set_control", "DEFAULT_QUANTILES", "EmptyState", "KL_ESTIMATORS", "LEVELS",
     "ObjectiveTransform", "Partials", "RECIPES", "TokenRecord", "aggregate",
-    "aggregation_partials", "batch_fields", "chain", "cispo", "clipped_objective",
+    "aggregation_partials", "chain", "cispo", "clipped_objective",
     "concat_partials", "critic_warmup", "decoupled", "dual_clip", "entropy_bonus", "finalize",
     "geppo_adaptive", "gspo", "kl_estimate", "kl_loss", "loss_normaliser", "make_record",
     "masked_is", "masked_quantiles", "micro_batch_loss", "objective_loss",

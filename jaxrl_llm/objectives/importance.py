@@ -155,8 +155,10 @@ def staleness_filter(lo: Optional[float] = 0.8, hi: Optional[float] = 1.25, *,
     level: "token", "sequence" or "geometric" (how rho_k is formed).
 
   References:
-    Project seed document (keep rho in [0.8, 1.25]; version window);
-    Noukhovitch et al., Asynchronous RLHF, arXiv:2410.18252 (staleness).
+    Noukhovitch et al., Asynchronous RLHF, arXiv:2410.18252 (training on
+    samples of older policies, bounded lag); Queeney et al., GePPO,
+    arXiv:2111.00072 (the ratio to the sampling policy bounds the penalty of
+    reused samples).
   """
   who = "staleness_filter"
   if (lo is None) != (hi is None):
@@ -238,9 +240,9 @@ def segment_is(segment_len: int, *, cap: Optional[float] = None) -> ObjectiveTra
     cap: optional C > 0.
 
   References:
-    Project seed document (segment-wise IS for long sequences); Precup,
-    Sutton, Singh, Eligibility Traces for Off-Policy Policy Evaluation
-    (ICML 2000) for per-decision products; truncation as in arXiv:1802.01561.
+    Precup, Sutton, Singh, Eligibility Traces for Off-Policy Policy Evaluation
+    (ICML 2000) for per-decision products; truncation as in IMPALA,
+    arXiv:1802.01561.
   """
   who = "segment_is"
   if isinstance(segment_len, bool) or not isinstance(segment_len, int) or segment_len < 1:

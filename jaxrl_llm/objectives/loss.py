@@ -229,26 +229,3 @@ def concat_partials(parts: Sequence[Partials]) -> Partials:
     return jnp.concatenate(leaves, axis=0)
 
   return jax.tree_util.tree_map(cat, *parts)
-
-
-def batch_fields(batch: Any, current_version: Optional[int | Array] = None) -> dict[str, Any]:
-  """Keyword arguments for :func:`objective_loss` from a :class:`jaxrl_llm.types.Batch`.
-
-  Args:
-    batch: a ``Batch``.
-    current_version: the learner's policy version; when given, ``lag_bt`` is
-      ``current_version - policy_version_bt``.
-
-  Returns:
-    dict with mask_bt, advantages_bt, behaviour_logp_bt, prox_logp_bt,
-    ref_logp_bt, returns_bt, old_values_bt (and lag_bt).
-  """
-  traj = batch.trajectory
-  out = dict(mask_bt=traj.response_mask_bt, advantages_bt=batch.advantages_bt,
-             behaviour_logp_bt=traj.behaviour_logp_bt, prox_logp_bt=batch.proximal_logp_bt,
-             ref_logp_bt=batch.ref_logp_bt, returns_bt=batch.returns_bt,
-             old_values_bt=batch.old_values_bt)
-  if current_version is not None:
-    out["lag_bt"] = jnp.asarray(current_version, jnp.int32) - jnp.asarray(
-        traj.policy_version_bt, jnp.int32)
-  return out

@@ -225,8 +225,8 @@ def geppo_adaptive(eps: Hyper = 0.2, *,
 
   References:
     Queeney, Paschalidis, Cassandras, Generalized Proximal Policy Optimization
-    with Sample Reuse, arXiv:2111.00072; project seed document (clip window
-    ``[rho_k - eps, rho_k + eps]``).
+    with Sample Reuse, arXiv:2111.00072 (the clip window
+    ``[rho_k - eps, rho_k + eps]`` around the behaviour ratio).
   """
   check_hyper("geppo_adaptive", "eps", eps, gt=0.0)
   quantiles = S.check_quantiles("geppo_adaptive", quantiles)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 from jaxrl_llm.objectives.aggregation import aggregate
 from jaxrl_llm.objectives.base import Hyper, ObjectiveTransform, chain, check_choice
 from jaxrl_llm.objectives import policy
-from jaxrl_llm.objectives.regularizers import entropy_bonus, kl_loss, value_loss
+from jaxrl_llm.objectives.regularizers import KL_ESTIMATORS, entropy_bonus, kl_loss, value_loss
 
 
 def ppo(eps: Hyper = 0.2, *, value_coef: Optional[Hyper] = 0.5,
@@ -60,24 +60,26 @@ def grpo(eps: Hyper = 0.2, *, kl_coef: Hyper = 0.04, kl_estimator: str = "k3",
   References:
     Shao et al., DeepSeekMath, arXiv:2402.03300.
   """
+  check_choice("grpo", "kl_estimator", kl_estimator, KL_ESTIMATORS)  # also when kl_coef=0 drops the term
   parts = [policy.ppo_clip(eps)]
   if callable(kl_coef) or kl_coef:
     parts.append(kl_loss(kl_coef, kl_estimator))
   return chain(*parts, aggregate(aggregation))
 
 
-def dr_grpo(constant: float, *, eps: Hyper = 0.2) -> ObjectiveTransform:
-  """Dr.GRPO: PPO clip, no KL, per-sequence token sums divided by a constant C.
+def dr_grpo(max_response_len: float, *, eps: Hyper = 0.2) -> ObjectiveTransform:
+  """Dr.GRPO: PPO clip, no KL, per-sequence token sums divided by the maximum response length.
 
-  ``-(1/B) sum_i (1/C) sum_t min(r A, clip(r) A)`` with C fixed (the maximum
-  response length), removing GRPO's length bias; pair it with
-  :func:`jaxrl_llm.advantages.drgrpo_advantages` (no std normalisation).
+  ``-(1/B) sum_i (1/C) sum_t min(r A, clip(r) A)`` with C = ``max_response_len``
+  fixed (a run fills in its ``rl.max_new_tokens``), removing GRPO's length bias;
+  pair it with :func:`jaxrl_llm.advantages.dr_grpo_advantages` (no std
+  normalisation).
 
   References:
     Liu et al., Understanding R1-Zero-Like Training: A Critical Perspective,
     arXiv:2503.20783.
   """
-  return chain(policy.ppo_clip(eps), aggregate("seq_sum_norm", constant=constant))
+  return chain(policy.ppo_clip(eps), aggregate("seq_sum_norm", constant=max_response_len))
 
 
 def dapo(eps_low: Hyper = 0.2, eps_high: Hyper = 0.28) -> ObjectiveTransform:

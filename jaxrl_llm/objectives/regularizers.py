@@ -196,9 +196,9 @@ def critic_warmup(steps: int) -> ObjectiveTransform:
     steps: number of initial updates with the actor frozen (int >= 0).
 
   References:
-    Project seed document (freeze the actor early so the critic learns
-    accurate advantages); Zheng et al., Secrets of RLHF in Large Language
-    Models Part I: PPO, arXiv:2307.04964.
+    Zheng et al., Secrets of RLHF in Large Language Models Part I: PPO,
+    arXiv:2307.04964 (critic pre-training: the actor waits until the critic
+    gives accurate advantages).
   """
   if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
     raise ValueError(f"critic_warmup: steps must be an int >= 0; got {steps!r}")

@@ -2,8 +2,8 @@
 
 The reward head sits on top of the decoder and is read at one position per
 sequence. For a causal decoder only the last token has seen the whole prompt and
-response, so that is the position (the seeds' "EOS-token reward model";
-Anthropic and InstructGPT do the same).
+response, so that is the position (the EOS-token reward model of InstructGPT,
+arXiv:2203.02155, and Anthropic's HH-RLHF, arXiv:2204.05862).
 
 The choice, for every layout a batch can have:
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from jaxrl_llm import models
-from jaxrl_llm.advantages import _checks
+from jaxrl_llm.advantages import checks
 
 
 def score_index(mask_bt: Bool[ArrayLike, "B T"]) -> Int[Array, "B"]:
@@ -44,7 +44,7 @@ def score_index(mask_bt: Bool[ArrayLike, "B T"]) -> Int[Array, "B"]:
   Returns:
     int32 [B].
   """
-  _checks.check_bt("score_index", mask_bt=mask_bt)
+  checks.check_bt("score_index", mask_bt=mask_bt)
   return models.last_true_index(jnp.asarray(mask_bt).astype(bool))
 
 
@@ -60,7 +60,7 @@ def ends_with_eos(tokens_bt: Int[ArrayLike, "B T"], mask_bt: Bool[ArrayLike, "B 
   Returns:
     bool [B].
   """
-  _checks.check_bt("ends_with_eos", tokens_bt=tokens_bt, mask_bt=mask_bt)
+  checks.check_bt("ends_with_eos", tokens_bt=tokens_bt, mask_bt=mask_bt)
   tokens = jnp.asarray(tokens_bt)
   mask = jnp.asarray(mask_bt).astype(bool)
   idx = score_index(mask)
@@ -82,8 +82,8 @@ def apply_no_eos_penalty(scores_b: Float[ArrayLike, "B"], has_eos_b: Bool[ArrayL
     float32 [B].
   """
   who = "apply_no_eos_penalty"
-  _checks.check_rank(who, "scores_b", scores_b, 1, "[B]")
-  _checks.check_b(who, "has_eos_b", has_eos_b, _checks.shape_of(scores_b)[0], "scores_b")
-  _checks.check_positive(who, "penalty", penalty, allow_zero=True)
+  checks.check_rank(who, "scores_b", scores_b, 1, "[B]")
+  checks.check_b(who, "has_eos_b", has_eos_b, checks.shape_of(scores_b)[0], "scores_b")
+  checks.check_positive(who, "penalty", penalty, allow_zero=True)
   scores = jnp.asarray(scores_b, jnp.float32)
   return jnp.where(jnp.asarray(has_eos_b).astype(bool), scores, scores - float(penalty))

@@ -33,17 +33,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jaxrl_llm import reduce
-from jaxrl_llm.advantages import _checks
+from jaxrl_llm.advantages import checks
 
 
 def _check_pairs(who: str, chosen_b, rejected_b, margin_b=None, valid_b=None) -> int:
-  _checks.check_rank(who, "chosen_b", chosen_b, 1, "[B]")
-  batch = _checks.shape_of(chosen_b)[0]
-  _checks.check_b(who, "rejected_b", rejected_b, batch, "chosen_b")
+  checks.check_rank(who, "chosen_b", chosen_b, 1, "[B]")
+  batch = checks.shape_of(chosen_b)[0]
+  checks.check_b(who, "rejected_b", rejected_b, batch, "chosen_b")
   if margin_b is not None:
-    _checks.check_b(who, "margin_b", margin_b, batch, "chosen_b")
+    checks.check_b(who, "margin_b", margin_b, batch, "chosen_b")
   if valid_b is not None:
-    _checks.check_b(who, "valid_b", valid_b, batch, "chosen_b")
+    checks.check_b(who, "valid_b", valid_b, batch, "chosen_b")
   return batch
 
 
@@ -106,7 +106,7 @@ def bradley_terry_loss(
 
 def _valid(chosen_b, valid_b) -> Array:
   if valid_b is None:
-    return jnp.ones(_checks.shape_of(chosen_b), bool)
+    return jnp.ones(checks.shape_of(chosen_b), bool)
   return jnp.asarray(valid_b).astype(bool)
 
 

@@ -23,12 +23,20 @@ Held-out split: all pairs of a prompt fall on one side, held out when
 separate ``eval_data`` file are the held-out set (training pairs whose prompt
 appears there are dropped).
 
-Built-in pairs (no download) come from a task's own problems; for addition
-(:class:`AdditionPreferences`) the correct answer is preferred to a wrong one
-(one digit changed, a carry error of +-1 or +-10, a digit dropped or added) or
-to the correct sum padded with zeros. Training pairs come from the task's
-training problems, held-out pairs from its held-out problems, so the reward
-model is measured on problems it never saw (and that the RL run evaluates on).
+Built-in pairs (no download, :class:`TaskPreferences`) come from any task's own
+problems through the task protocol (``Task.preference_pairs``): the gold
+response is preferred to one corrupted in one of the task's ``pair_kinds``
+(addition: a digit changed, a carry error, a digit dropped or added, zero
+padding; countdown: an operator changed; math JSONL: a wrong final answer;
+any task: character edits and truncation), and a pair is kept only when the
+task's own reward orders it. Training pairs come from the task's training
+problems, held-out pairs from its held-out problems, so the reward model is
+measured on problems it never saw (and that the RL run evaluates on).
+
+References:
+  arXiv:2203.02155 (reward models from pairwise comparisons, Bradley-Terry);
+  arXiv:2307.09288 (Llama 2: the margin term); arXiv:2404.19733 (pairs ordered
+  by the correctness of the final answer).
 """
 
 from __future__ import annotations
@@ -42,13 +50,13 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxrl_llm.tasks import AdditionTask, CounterRng, Task, split_fraction
-from jaxrl_llm.tasks.base import DEFAULT_SPLIT_SALT, Example
+from jaxrl_llm.tasks import DEFAULT_SPLIT_SALT, CounterRng, Example, Task, split_fraction
 
 log = logging.getLogger("jaxrl_llm")
 
 Messages = tuple[Mapping[str, str], ...]
-ADDITION_KINDS = ("wrong_digit", "carry", "drop_digit", "extra_digit", "padded")
+MAX_PAIR_ATTEMPTS = 16  # built-in pairs: draws of a kind and its rejected response per problem
+MAX_PAIR_PROBLEMS = 64  # built-in pairs: problems tried, from the pair's own on, before an error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,98 +260,92 @@ def jsonl_preferences(path: str, *, eval_path: str = "", eval_fraction: float = 
   return ListPreferences(train, held, seed, stats)
 
 
-def _write_number(task: AdditionTask, value: int) -> str:
-  text = str(value)
-  return text[::-1] if task.reverse_answer else text
+def select_kinds(task: Task, kinds: Sequence[str] = ()) -> tuple[str, ...]:
+  """The pair kinds to draw (``reward_model.pair_kinds``): ``kinds``, or all of the task's own when empty.
 
-
-def _pad_zeros(task: AdditionTask, answer: str, zeros: int) -> str:
-  """The answer with ``zeros`` extra zeros on its most significant side."""
-  return answer + "0" * zeros if task.reverse_answer else "0" * zeros + answer
-
-
-def addition_rejected(task: AdditionTask, example: Example, kind: str, rng: CounterRng) -> str:
-  """A response that is not the right answer, made the way ``kind`` says.
-
-  Args:
-    task: the addition task (its answer format: reversed or not).
-    example: the problem.
-    kind: one of ``ADDITION_KINDS``.
-    rng: the pair's random stream.
-
-  Returns:
-    A response text different from ``example.answer`` that the task scores below 1.
+  Raises:
+    ValueError: naming the field when a kind is not one of ``task.pair_kinds``.
   """
-  answer, total = example.answer, int(example.meta["sum"])
-  if kind == "drop_digit" and len(answer) < 2:
-    kind = "wrong_digit"
-  if kind == "wrong_digit":
-    i = rng.randint(0, len(answer) - 1)
-    digit = str((int(answer[i]) + rng.randint(1, 9)) % 10)
-    return answer[:i] + digit + answer[i + 1:]
-  if kind == "carry":
-    offsets = [d for d in (-10, -1, 1, 10) if total + d >= 0]
-    return _write_number(task, total + rng.choice(offsets))
-  if kind == "drop_digit":
-    i = rng.randint(0, len(answer) - 1)
-    return answer[:i] + answer[i + 1:]
-  if kind == "extra_digit":
-    i = rng.randint(0, len(answer))
-    digit = str(rng.randint(1, 9) if i == (len(answer) if task.reverse_answer else 0) else rng.randint(0, 9))
-    return answer[:i] + digit + answer[i:]
-  if kind == "padded":
-    return _pad_zeros(task, answer, rng.randint(1, 2))
-  raise ValueError(f"reward_model.pair_kinds: unknown kind {kind!r}; expected some of {ADDITION_KINDS}")
+  kinds = tuple(kinds) or tuple(task.pair_kinds)
+  unknown = [k for k in kinds if k not in task.pair_kinds]
+  if unknown:
+    raise ValueError(f"reward_model.pair_kinds={','.join(kinds)!r}: expected a non-empty subset of "
+                     f"{tuple(task.pair_kinds)} (the pair kinds of task {task.name!r}) or '' for all of them")
+  return kinds
 
 
-class AdditionPreferences(PreferenceData):
-  """Built-in preference pairs of the addition task: the correct sum vs a wrong or padded one.
+class TaskPreferences(PreferenceData):
+  """Built-in preference pairs of any task: its gold response against a worse one.
 
-  Training pair ``i`` is made from training problem ``i`` of the task's stream
-  (seed ``seed``); its kind and the wrong answer come from a counter-based
-  stream keyed by ``(seed, i)``. Held-out pairs: ``pairs_per_prompt`` pairs of
-  different kinds for each of ``eval_prompts`` held-out problems (those of the
-  RL run's evaluation set for the same seed and size).
+  The pairs come from the task's own protocol (:meth:`~jaxrl_llm.tasks.Task.preference_pairs`):
+  the gold response (``sft_target``) is preferred to a response corrupted in one of the
+  task's ``pair_kinds``, and a pair is kept only when the task's reward scores the gold
+  response strictly higher. Training pair ``i`` is made from training problem ``i`` of
+  the task's stream (seed ``seed``); its kind and rejected response come from a
+  counter-based stream keyed by ``(task, seed, i)``, redrawn until the verifier orders
+  the pair (then the next problems, should a problem admit none). Held-out pairs:
+  ``eval_pairs`` pairs spread over ``eval_prompts`` held-out problems (those of the RL
+  run's evaluation set for the same seed and size), kinds in equal shares.
 
   Args:
-    task: an :class:`~jaxrl_llm.tasks.AdditionTask`.
+    task: any :class:`~jaxrl_llm.tasks.Task` with a gold ``sft_target``.
     seed: stream seed.
     eval_prompts: number of held-out problems.
     eval_pairs: number of held-out pairs (spread over the problems, at least one each).
-    kinds: which rejected-answer kinds to draw (uniformly).
+    kinds: which of ``task.pair_kinds`` to draw (uniformly); None or empty: all of them.
     eval_seed: seed of the held-out problem selection (the RL run uses ``config.seed``).
+
+  Example::
+
+    data = TaskPreferences(get_task("countdown"), seed=0, eval_prompts=64, eval_pairs=256)
+    pair = data.train_pair(0)   # PreferencePair(prompt, chosen, rejected, None, "countdown:train:0", kind)
   """
 
-  def __init__(self, task: AdditionTask, seed: int, eval_prompts: int, eval_pairs: int,
-               kinds: Sequence[str] = ADDITION_KINDS, eval_seed: int = 0):
-    if not isinstance(task, AdditionTask):
-      raise ValueError(f"built-in addition preference pairs need the addition task, got {task.name!r}")
-    kinds = tuple(kinds)
-    unknown = [k for k in kinds if k not in ADDITION_KINDS]
-    if not kinds or unknown:
-      raise ValueError(f"reward_model.pair_kinds={','.join(kinds)!r}: expected a non-empty subset of "
-                       f"{ADDITION_KINDS}")
-    self.task, self.seed, self.kinds = task, int(seed), kinds
+  def __init__(self, task: Task, seed: int, eval_prompts: int, eval_pairs: int,
+               kinds: Optional[Sequence[str]] = None, eval_seed: int = 0):
+    self.task, self.seed = task, int(seed)
+    self.kinds = select_kinds(task, kinds or ())
     if eval_prompts < 1 or eval_pairs < 1:
-      raise ValueError(f"built-in addition pairs: eval_prompts={eval_prompts} and eval_pairs={eval_pairs} "
+      raise ValueError(f"built-in {task.name} pairs: eval_prompts={eval_prompts} and eval_pairs={eval_pairs} "
                        "must be >= 1")
     problems = task.eval_prompts(eval_prompts, eval_seed)
     per_prompt = -(-int(eval_pairs) // len(problems))
-    held = [self._pair(example, CounterRng("addition_prefs", "eval", eval_seed, j, k), f"addition:eval:{j}:{k}",
-                       kind=kinds[(j + k) % len(kinds)])
-            for k in range(per_prompt) for j, example in enumerate(problems)]
+    held, unpaired = [], 0
+    for k in range(per_prompt):
+      for j, example in enumerate(problems):
+        rng = CounterRng(f"{task.name}_prefs", "eval", eval_seed, j, k)
+        kinds = [self.kinds[(j + k + a) % len(self.kinds)] for a in range(MAX_PAIR_ATTEMPTS)]
+        pair = self._pair(example, rng, f"{task.name}:eval:{j}:{k}", kinds)
+        unpaired += pair is None
+        held += [pair] if pair else []
     self.eval_pairs = held[:int(eval_pairs)]
-    self.stats = {"eval_pairs": len(self.eval_pairs), "eval_prompts": len(problems)}
+    if not self.eval_pairs:
+      raise ValueError(f"built-in {task.name} pairs: no held-out problem gave a pair that the task's reward orders "
+                       f"(kinds {self.kinds}); check that the task's reward scores its sft_target highest")
+    self.stats = {"eval_pairs": len(self.eval_pairs), "eval_prompts": len(problems), "eval_unpaired": unpaired}
 
-  def _pair(self, example: Example, rng: CounterRng, source: str, kind: Optional[str] = None) -> PreferencePair:
-    kind = kind or rng.choice(self.kinds)
-    rejected = addition_rejected(self.task, example, kind, rng)
-    return PreferencePair(example.prompt, self.task.sft_target(example), rejected, None, source, kind)
+  def _pair(self, example: Example, rng: CounterRng, source: str,
+            kinds: Sequence[Optional[str]]) -> Optional[PreferencePair]:
+    """The first pair the task keeps, trying ``kinds`` in order (None: a kind drawn from ``rng``)."""
+    for kind in kinds:
+      made = self.task.preference_pairs(example, rng, [kind or rng.choice(self.kinds)])
+      if made:
+        chosen, rejected, kind = made[0]
+        return PreferencePair(example.prompt, chosen, rejected, None, source, kind)
+    return None
 
   def train_pair(self, position: int) -> PreferencePair:
-    example = self.task.train_example(self.seed, int(position))
-    return self._pair(example, CounterRng("addition_prefs", "train", self.seed, int(position)),
-                      f"addition:train:{position}")
+    position = int(position)
+    rng = CounterRng(f"{self.task.name}_prefs", "train", self.seed, position)
+    for offset in range(MAX_PAIR_PROBLEMS):
+      example = self.task.train_example(self.seed, position + offset)
+      pair = self._pair(example, rng, f"{self.task.name}:train:{position}", [None] * MAX_PAIR_ATTEMPTS)
+      if pair is not None:
+        return pair
+    last = position + MAX_PAIR_PROBLEMS - 1
+    raise ValueError(f"built-in {self.task.name} pairs: training problems {position}..{last} gave no pair that the "
+                     f"task's reward orders (kinds {self.kinds}); check that the task's reward scores its sft_target "
+                     "highest")
 
 
 def build_preference_data(rm_config: Any, task: Task, seed: int, eval_size: int) -> PreferenceData:
@@ -351,7 +353,7 @@ def build_preference_data(rm_config: Any, task: Task, seed: int, eval_size: int)
 
   Args:
     rm_config: the ``reward_model`` ConfigDict.
-    task: the run's task (built-in pairs are made from it).
+    task: the run's task (built-in pairs are made from it, see :class:`TaskPreferences`).
     seed: the run seed.
     eval_size: held-out problems for built-in pairs (``task.eval_size``).
   """
@@ -359,8 +361,6 @@ def build_preference_data(rm_config: Any, task: Task, seed: int, eval_size: int)
     fields = {k: rm_config[k] for k in ("prompt_field", "chosen_field", "rejected_field", "margin_field")}
     return jsonl_preferences(rm_config.data, eval_path=rm_config.eval_data, eval_fraction=rm_config.eval_fraction,
                              seed=seed, fields=fields)
-  if task.name == "addition":
-    kinds = [k.strip() for k in rm_config.pair_kinds.split(",") if k.strip()]
-    return AdditionPreferences(task, seed, eval_size, rm_config.eval_pairs, kinds, eval_seed=seed)
-  raise ValueError(f"reward_model.data is empty and task {task.name!r} has no built-in preference pairs "
-                   "(only 'addition' has); give a JSONL file of {prompt, chosen, rejected} rows")
+  kinds = [k.strip() for k in rm_config.pair_kinds.split(",") if k.strip()]
+  return TaskPreferences(task, seed, eval_size, rm_config.eval_pairs, kinds, eval_seed=seed)
+

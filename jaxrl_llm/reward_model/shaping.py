@@ -1,6 +1,7 @@
 """Token-level KL shaping of the RL reward against the warm-start (SFT) policy, GAE path.
 
-The seeds' formula (InstructGPT; Ziegler et al.)::
+The per-token KL penalty of RLHF (Ziegler et al., arXiv:1909.08593;
+InstructGPT, arXiv:2203.02155)::
 
   r_t   = 1[t = EOS] * r(x, y) - beta * KL_t
   KL_t  = log pi_old(a_t | s_t) - log pi_SFT(a_t | s_t)

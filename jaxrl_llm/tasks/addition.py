@@ -13,6 +13,12 @@ unordered pairs held out, sums of at most 3 digits), sized for the embedded CPU 
 decoder of about 1M parameters after a short supervised warm start; raise ``max_digits``
 (and consider ``reverse_answer``) for a harder job.
 
+Curriculum difficulty: the digits of the longer operand. Built-in preference pairs
+(``pair_kinds``): the correct sum against one with a digit changed (``wrong_digit``),
+a carry error of +-1 or +-10 (``carry``), a digit dropped or added (``drop_digit``,
+``extra_digit``), or the correct sum padded with zeros (``padded``: the shorter
+correct answer is preferred).
+
 References:
   arXiv:2307.03381 (reversed-output arithmetic for small transformers).
 """
@@ -20,9 +26,9 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Optional
 
-from jaxrl_llm.tasks import base
+from jaxrl_llm.tasks import base, pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +54,7 @@ class AdditionTask(base.GeneratedTask):
   """
 
   name: ClassVar[str] = "addition"
+  pair_kinds: ClassVar[tuple[str, ...]] = ("wrong_digit", "carry", "drop_digit", "extra_digit", "padded")
 
   min_digits: int = 1
   max_digits: int = 2
@@ -87,10 +94,44 @@ class AdditionTask(base.GeneratedTask):
     b = self._operand(rng)
     return self.make_example(a, b)
 
-  def split_key(self, example: base.Example) -> str:
+  def _operands(self, example: base.Example) -> tuple[int, int]:
+    if "a" in example.meta and "b" in example.meta:
+      return int(example.meta["a"]), int(example.meta["b"])
     a, b = example.prompt.rstrip("=").split("+")
-    lo, hi = sorted((int(a), int(b)))
+    return int(a), int(b)
+
+  def split_key(self, example: base.Example) -> str:
+    lo, hi = sorted(self._operands(example))
     return f"{lo}+{hi}"
+
+  def difficulty(self, example: base.Example) -> float:
+    """Digits of the longer operand (``"123+4="`` -> 3)."""
+    return float(max(len(str(v)) for v in self._operands(example)))
+
+  def _write(self, value: int) -> str:
+    """A number in the answer's format (reversed with ``reverse_answer``)."""
+    return str(value)[::-1] if self.reverse_answer else str(value)
+
+  def rejected_response(self, example: base.Example, kind: str, rng: base.CounterRng) -> Optional[str]:
+    """A wrong (or zero-padded) answer made the way ``kind`` (one of ``pair_kinds``) says."""
+    answer, total = example.answer, sum(self._operands(example))
+    if kind == "drop_digit" and len(answer) < 2:
+      kind = "wrong_digit"
+    if kind == "wrong_digit":
+      return pairs.change_digit(answer, rng)
+    if kind == "carry":
+      return self._write(total + rng.choice([d for d in (-10, -1, 1, 10) if total + d >= 0]))
+    if kind == "drop_digit":
+      i = rng.randint(0, len(answer) - 1)
+      return answer[:i] + answer[i + 1:]
+    if kind == "extra_digit":
+      i = rng.randint(0, len(answer))
+      leading = i == (len(answer) if self.reverse_answer else 0)  # no new leading zero
+      return answer[:i] + str(rng.randint(1, 9) if leading else rng.randint(0, 9)) + answer[i:]
+    if kind == "padded":
+      zeros = "0" * rng.randint(1, 2)
+      return answer + zeros if self.reverse_answer else zeros + answer
+    return super().rejected_response(example, kind, rng)
 
   def reward(self, example: base.Example, response: str) -> float:
     pred = response.strip()

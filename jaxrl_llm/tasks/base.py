@@ -14,6 +14,17 @@ unordered operand pair for addition, so ``3+5`` and ``5+3`` fall on the same sid
 held out when ``blake2b(split_salt || key) / 2**64 < eval_fraction``. Training streams
 skip held-out keys and evaluation sets draw only held-out keys, so the two are disjoint by
 construction, for any seed, and stay so when the dataset or generator grows.
+
+What curation and reward models ask of a task. ``Task.difficulty(example)`` orders
+problems for curriculum sampling, and ``Task.preference_pairs(example, rng, kinds)``
+makes built-in preference pairs for reward-model training: the gold response against
+responses corrupted in the ways ``Task.pair_kinds`` lists (``Task.rejected_response``),
+kept only when the task's own verifier scores the gold response strictly higher. Both
+have generic defaults that work for any task with a gold ``sft_target``; a task
+overrides them with its own measure and its own near-miss errors (addition: operand
+digits, carry errors). Pairs ordered by a verifier of the answer, correct preferred to
+incorrect, as in Iterative Reasoning Preference Optimization (arXiv:2404.19733);
+curriculum by difficulty as in Kimi k1.5 (arXiv:2501.12599).
 """
 
 from __future__ import annotations
@@ -22,6 +33,9 @@ import abc
 import dataclasses
 import hashlib
 from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence
+
+from jaxrl_llm.tasks.pairs import TEXT_PAIR_KINDS, ResponsePair, corrupt_text
+from jaxrl_llm.tasks.rng import CounterRng
 
 DEFAULT_SPLIT_SALT = "jaxrl_llm-heldout-v1"
 
@@ -55,42 +69,6 @@ def split_fraction(key: str, salt: str = DEFAULT_SPLIT_SALT) -> float:
   """
   digest = hashlib.blake2b((salt + "\x00" + key).encode("utf-8"), digest_size=8).digest()
   return int.from_bytes(digest, "little") / 2.0**64
-
-
-class CounterRng:
-  """A counter-based random generator: draw ``k`` is ``blake2b(key || k)``.
-
-  Independent of global state and of library versions, so a stream keyed by
-  ``(task, seed, position)`` is reproducible anywhere. Integers are drawn as a 64-bit
-  word modulo the range; the bias is below ``range / 2**64`` (negligible for task
-  generation, where ranges are small).
-
-  Args:
-    *key: ints or strings that identify the stream.
-  """
-
-  def __init__(self, *key: int | str):
-    self._hasher = hashlib.blake2b(repr(key).encode("utf-8"), digest_size=8)
-    self._counter = 0
-
-  def next_u64(self) -> int:
-    """Returns the next 64-bit word of the stream."""
-    h = self._hasher.copy()
-    h.update(self._counter.to_bytes(8, "little"))
-    self._counter += 1
-    return int.from_bytes(h.digest(), "little")
-
-  def randint(self, low: int, high: int) -> int:
-    """Returns an integer in ``[low, high]`` (both inclusive)."""
-    if high < low:
-      raise ValueError(f"randint: high ({high}) < low ({low})")
-    return low + self.next_u64() % (high - low + 1)
-
-  def choice(self, seq: Sequence[Any]) -> Any:
-    """Returns one element of a non-empty sequence."""
-    if not seq:
-      raise ValueError("choice: empty sequence")
-    return seq[self.randint(0, len(seq) - 1)]
 
 
 def _check_seed(seed: Any) -> int:
@@ -152,9 +130,15 @@ class Task(abc.ABC):
   Subclasses define ``name``, ``alphabet``, ``train_example``, ``eval_prompts``,
   ``reward`` and, when the canonical problem differs from the prompt text,
   ``split_key``. They carry the fields ``eval_fraction`` and ``split_salt``.
+
+  Curation and reward models use two more methods, with defaults for any task:
+  ``difficulty(example)`` (curriculum sampling) and ``preference_pairs(example, rng,
+  kinds)`` (built-in preference pairs; a task adds its own kinds by overriding
+  ``pair_kinds`` and ``rejected_response``).
   """
 
   name: ClassVar[str] = "task"
+  pair_kinds: ClassVar[tuple[str, ...]] = TEXT_PAIR_KINDS
   eval_fraction: float
   split_salt: str
 
@@ -182,6 +166,61 @@ class Task(abc.ABC):
   def split_key(self, example: Example) -> str:
     """Canonical problem text used by the held-out split."""
     return example.prompt
+
+  def difficulty(self, example: Example) -> float:
+    """How hard a problem is, for curriculum sampling (larger: harder; only the order matters).
+
+    Default: ``example.meta["difficulty"]`` when the example declares one, else the
+    length in characters of the gold response (``sft_target``): a longer answer needs
+    more tokens right. Tasks override it with their own measure.
+    """
+    declared = example.meta.get("difficulty")
+    if declared is not None:
+      return float(declared)
+    return float(len(self.sft_target(example)))
+
+  def rejected_response(self, example: Example, kind: str, rng: CounterRng) -> Optional[str]:
+    """A response to ``example`` made wrong the way ``kind`` (one of ``pair_kinds``) says.
+
+    Default: :func:`corrupt_text` of the gold response with the task's alphabet (the
+    ``TEXT_PAIR_KINDS``). Returns None when the kind cannot apply to this example.
+    Whether the result is really worse is decided by :meth:`preference_pairs`.
+    """
+    return corrupt_text(self.sft_target(example), kind, rng, self.alphabet)
+
+  def preference_pairs(self, example: Example, rng: CounterRng,
+                       kinds: Optional[Sequence[str]] = None) -> list[ResponsePair]:
+    """Built-in preference pairs for one problem: the gold response against worse ones.
+
+    For each kind, in order, one rejected response from :meth:`rejected_response`
+    (drawing from ``rng``); the pair is kept only when this task's ``reward`` scores
+    the gold response strictly higher than the rejected one, so every pair is ordered
+    by the task's own verifier (a corruption that is another correct answer, such as
+    ``5+3`` for ``3+5`` in countdown, is dropped).
+
+    Args:
+      example: the problem.
+      rng: the pair's random stream (the draws are a function of it alone).
+      kinds: some of ``pair_kinds`` (default: all of them).
+
+    Returns:
+      The kept pairs, at most one per kind, in the order of ``kinds``.
+
+    Raises:
+      ValueError: for a kind not in ``pair_kinds``.
+    """
+    kinds = self.pair_kinds if kinds is None else tuple(kinds)
+    unknown = [k for k in kinds if k not in self.pair_kinds]
+    if unknown:
+      raise ValueError(f"{self.name}: unknown pair kind(s) {unknown}; expected some of {self.pair_kinds}")
+    chosen = self.sft_target(example)
+    gold = self.reward(example, chosen)
+    pairs = []
+    for kind in kinds:
+      rejected = self.rejected_response(example, kind, rng)
+      if rejected is not None and self.reward(example, rejected) < gold:
+        pairs.append(ResponsePair(chosen, rejected, kind))
+    return pairs
 
   def is_eval(self, example: Example) -> bool:
     """True when the example belongs to the held-out evaluation split."""

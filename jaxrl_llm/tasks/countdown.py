@@ -5,6 +5,12 @@ uses the given numbers (each exactly once by default) and evaluates to the targe
 verifier parses the expression with a small recursive-descent parser over integers; it
 never calls ``eval``, and it bounds the length and nesting of what it reads.
 
+Curriculum difficulty: how many numbers a problem gives (``min_numbers`` < ``num_numbers``
+mixes sizes in one stream). Built-in preference pairs: the generating expression
+against one with an operator changed (``wrong_operator``: the numbers used right, the
+value wrong) or a text corruption (:mod:`jaxrl_llm.tasks.pairs`); the verifier keeps
+only pairs whose rejected expression really misses.
+
 References:
   TinyZero's countdown task (Pan et al., 2025); arXiv:2501.12948 (rule-based rewards).
 """
@@ -16,7 +22,7 @@ import re
 from collections import Counter
 from typing import ClassVar, NamedTuple, Optional
 
-from jaxrl_llm.tasks import base
+from jaxrl_llm.tasks import base, pairs
 
 MAX_EXPRESSION_CHARS = 200
 MAX_NESTING = 16
@@ -127,7 +133,9 @@ class CountdownTask(base.GeneratedTask):
   ``format_reward`` if it parses and uses the numbers correctly; else 0.
 
   Attributes:
-    num_numbers: how many numbers the prompt gives (>= 2).
+    num_numbers: how many numbers the prompt gives (>= 2); the most when ``min_numbers`` is set.
+    min_numbers: fewest numbers a prompt gives, drawn uniformly up to ``num_numbers``
+      (0: always ``num_numbers``).
     min_number: smallest number (>= 1).
     max_number: largest number.
     max_target: largest target.
@@ -138,8 +146,10 @@ class CountdownTask(base.GeneratedTask):
   """
 
   name: ClassVar[str] = "countdown"
+  pair_kinds: ClassVar[tuple[str, ...]] = ("wrong_operator",) + pairs.TEXT_PAIR_KINDS
 
   num_numbers: int = 3
+  min_numbers: int = 0
   min_number: int = 1
   max_number: int = 20
   max_target: int = 100
@@ -153,6 +163,10 @@ class CountdownTask(base.GeneratedTask):
   def __post_init__(self):
     if not isinstance(self.num_numbers, int) or self.num_numbers < 2:
       raise ValueError(f"countdown.num_numbers must be an int >= 2, got {self.num_numbers!r}")
+    min_ok = self.min_numbers == 0 or 2 <= self.min_numbers <= self.num_numbers
+    if not isinstance(self.min_numbers, int) or not min_ok:
+      raise ValueError(f"countdown.min_numbers must be 0 or an int in [2, num_numbers={self.num_numbers}],"
+                       f" got {self.min_numbers!r}")
     if not isinstance(self.min_number, int) or self.min_number < 1:
       raise ValueError(f"countdown.min_number must be an int >= 1, got {self.min_number!r}")
     if not isinstance(self.max_number, int) or self.max_number < self.min_number:
@@ -181,7 +195,10 @@ class CountdownTask(base.GeneratedTask):
 
   def _sample(self, rng: base.CounterRng) -> base.Example:
     for _ in range(self._MAX_TREE_ATTEMPTS):
-      numbers = [rng.randint(self.min_number, self.max_number) for _ in range(self.num_numbers)]
+      count = self.num_numbers
+      if self.min_numbers and self.min_numbers < count:
+        count = rng.randint(self.min_numbers, count)
+      numbers = [rng.randint(self.min_number, self.max_number) for _ in range(count)]
       nodes = [(n, str(n), 3) for n in numbers]
       while len(nodes) > 1:
         left = nodes.pop(rng.randint(0, len(nodes) - 1))
@@ -207,6 +224,21 @@ class CountdownTask(base.GeneratedTask):
   def split_key(self, example: base.Example) -> str:
     numbers, target = self._problem(example)
     return ",".join(map(str, sorted(numbers))) + f"->{target}"
+
+  def difficulty(self, example: base.Example) -> float:
+    """How many numbers the problem gives (``"3,5,8->29:"`` -> 3)."""
+    return float(len(self._problem(example)[0]))
+
+  def rejected_response(self, example: base.Example, kind: str, rng: base.CounterRng) -> Optional[str]:
+    """``wrong_operator``: one operator of the gold expression replaced by another; else a text kind."""
+    if kind != "wrong_operator":
+      return super().rejected_response(example, kind, rng)
+    text = self.sft_target(example)
+    positions = [i for i, ch in enumerate(text) if ch in _PRECEDENCE]
+    if not positions:
+      return None
+    i = rng.choice(positions)
+    return text[:i] + rng.choice([op for op in _PRECEDENCE if op != text[i]]) + text[i + 1:]
 
   def reward(self, example: base.Example, response: str) -> float:
     parsed = parse_expression(response)

@@ -12,6 +12,13 @@ file are the evaluation set and training rows whose prompt appears in it are dro
 Training order: epoch ``e`` visits the training rows in the order of
 ``blake2b(seed, e, row index)``, so position ``i`` maps to a row in O(1) once the
 epoch's order is computed (cached), and resumption needs only ``(seed, position)``.
+
+Curriculum difficulty: the row's ``difficulty_field`` when one is named (a number, or
+text ending in one such as MATH's ``"Level 3"``), else the length of the reference
+answer. Built-in preference pairs: with the math verifier, the reference solution
+against the same solution with a digit of its final answer changed (``wrong_answer``)
+or cut short (``truncated``); with the exact verifier, the text kinds of
+:mod:`jaxrl_llm.tasks.pairs`. The verifier keeps only pairs it orders.
 """
 
 from __future__ import annotations
@@ -19,12 +26,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 from typing import Any, ClassVar, Mapping, Optional
 
-from jaxrl_llm.tasks import base
-from jaxrl_llm.tasks import math_verify
+from jaxrl_llm.tasks import base, math_verify, pairs
 
 VERIFIERS = ("math", "exact")
+MATH_PAIR_KINDS = ("wrong_answer", "truncated")
+_TRAILING_NUMBER_RE = re.compile(r"(-?\d+(?:\.\d+)?)\s*$")
 
 
 def _order(n: int, *key: Any) -> list[int]:
@@ -59,6 +69,8 @@ class JsonlTask(base.Task):
     split_salt: salt of the held-out hash.
     rel_tol: relative tolerance of the math verifier.
     percent: percent mode of the math verifier (``"strip"`` or ``"either"``).
+    difficulty_field: optional field holding each row's difficulty for curriculum
+      sampling (a number, or text ending in a number); empty: the answer's length.
   """
 
   name: ClassVar[str] = "jsonl"
@@ -73,11 +85,13 @@ class JsonlTask(base.Task):
   split_salt: str = base.DEFAULT_SPLIT_SALT
   rel_tol: float = 1e-6
   percent: str = "strip"
+  difficulty_field: str = ""
 
   _train: tuple[base.Example, ...] = dataclasses.field(init=False, repr=False, compare=False)
   _eval: tuple[base.Example, ...] = dataclasses.field(init=False, repr=False, compare=False)
   _eval_keys: frozenset[str] = dataclasses.field(init=False, repr=False, compare=False)
   _orders: dict = dataclasses.field(init=False, repr=False, compare=False)
+  _alphabet: str = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     if not self.path:
@@ -114,6 +128,8 @@ class JsonlTask(base.Task):
     object.__setattr__(self, "_eval", held_out)
     object.__setattr__(self, "_eval_keys", eval_keys)
     object.__setattr__(self, "_orders", {})
+    texts = [ex.prompt for ex in train + held_out] + [ex.answer for ex in train + held_out]
+    object.__setattr__(self, "_alphabet", base.alphabet_of(texts))
 
   def _load(self, path: str) -> list[tuple[str, base.Example]]:
     rows: list[tuple[str, base.Example]] = []
@@ -155,16 +171,33 @@ class JsonlTask(base.Task):
         raise ValueError(
             f"{path}:{lineno}: cannot extract a final answer from field {self.answer_field!r}"
             f" (expected '#### N', \\boxed{{...}} or a number): {answer[-80:]!r}")
-    example = base.Example(
-        prompt=self.prompt_template.format(prompt=prompt), answer=answer,
-        meta={"source": path, "line": lineno, "gold": gold, "split_key": _key(prompt)})
+    meta = {"source": path, "line": lineno, "gold": gold, "split_key": _key(prompt)}
+    if self.difficulty_field:
+      meta["difficulty"] = self._difficulty(row, path, lineno)
+    example = base.Example(prompt=self.prompt_template.format(prompt=prompt), answer=answer, meta=meta)
     return _key(prompt), example
+
+  def _difficulty(self, row: Mapping[str, Any], path: str, lineno: int) -> float:
+    if self.difficulty_field not in row:
+      raise ValueError(f"{path}:{lineno}: row is missing field {self.difficulty_field!r} (jsonl.difficulty_field;"
+                       f" fields present: {sorted(row)})")
+    value = row[self.difficulty_field]
+    match = _TRAILING_NUMBER_RE.search(value) if isinstance(value, str) else None
+    if match:
+      value = float(match.group(1))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+      raise ValueError(f"{path}:{lineno}: field {self.difficulty_field!r} (jsonl.difficulty_field) must be a finite"
+                       f" number or text ending in one (e.g. 'Level 3'), got {value!r}")
+    return float(value)
 
   @property
   def alphabet(self) -> str:
-    texts = [ex.prompt for ex in self._train + self._eval]
-    texts += [ex.answer for ex in self._train + self._eval]
-    return base.alphabet_of(texts)
+    return self._alphabet
+
+  @property
+  def pair_kinds(self) -> tuple[str, ...]:
+    """``MATH_PAIR_KINDS`` with the math verifier, else the text kinds."""
+    return MATH_PAIR_KINDS if self.verifier == "math" else pairs.TEXT_PAIR_KINDS
 
   @property
   def num_train(self) -> int:
@@ -199,6 +232,15 @@ class JsonlTask(base.Task):
 
   def sft_target(self, example: base.Example) -> str:
     return example.answer
+
+  def rejected_response(self, example: base.Example, kind: str, rng: base.CounterRng) -> Optional[str]:
+    """``wrong_answer``: a digit of the final answer changed where the solution states it; else a text kind."""
+    if kind != "wrong_answer":
+      return super().rejected_response(example, kind, rng)
+    text, gold = self.sft_target(example), example.meta.get("gold") or ""
+    at = text.rfind(gold) if gold else -1
+    wrong = pairs.change_digit(gold, rng) if at >= 0 else None
+    return None if wrong is None else text[:at] + wrong + text[at + len(gold):]
 
   def reward(self, example: base.Example, response: str) -> float:
     gold = example.meta.get("gold")

@@ -35,6 +35,17 @@ def register_task(name: str, factory: Callable[..., base.Task], *, overwrite: bo
   _REGISTRY[name] = factory
 
 
+def task_factory(name: str) -> Callable[..., base.Task]:
+  """The factory registered under ``name`` (what ``get_task(name, **kwargs)`` calls).
+
+  Raises:
+    ValueError: for an unknown name, listing the known ones.
+  """
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}")
+  return _REGISTRY[name]
+
+
 def get_task(name: str, **kwargs: Any) -> base.Task:
   """Builds a registered task.
 
@@ -49,12 +60,13 @@ def get_task(name: str, **kwargs: Any) -> base.Task:
     ValueError: for an unknown name (listing the known ones) or an unknown field
       (listing the accepted ones).
   """
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}")
-  factory = _REGISTRY[name]
+  factory = task_factory(name)
   if dataclasses.is_dataclass(factory):
     fields = [f.name for f in dataclasses.fields(factory) if f.init]
     unknown = sorted(set(kwargs) - set(fields))
     if unknown:
       raise ValueError(f"task {name!r} has no field(s) {unknown}; accepted fields: {fields}")
   return factory(**kwargs)
+
+
+__all__ = ["DEFAULT_TASK", "get_task", "list_tasks", "register_task", "task_factory"]

@@ -1,6 +1,9 @@
 """Sorting a short list of digits.
 
 Prompt ``"sort:52913="``, answer ``"12359"`` (``"95321"`` with ``descending=True``).
+Curriculum difficulty: the length of the list. Built-in preference pairs use the text
+kinds of :mod:`jaxrl_llm.tasks.pairs` (``swap_chars`` is a near-miss: the right digits
+in a wrong order).
 """
 
 from __future__ import annotations
@@ -68,8 +71,15 @@ class SortingTask(base.GeneratedTask):
     length = rng.randint(self.min_length, self.max_length)
     return self.make_example("".join(str(rng.randint(0, 9)) for _ in range(length)))
 
+  def _digits(self, example: base.Example) -> str:
+    return example.meta.get("digits") or example.prompt[len(_PREFIX):-1]
+
   def split_key(self, example: base.Example) -> str:
-    return "".join(sorted(example.prompt[len(_PREFIX):-1]))
+    return "".join(sorted(self._digits(example)))
+
+  def difficulty(self, example: base.Example) -> float:
+    """Digits in the list (``"sort:52913="`` -> 5)."""
+    return float(len(self._digits(example)))
 
   def reward(self, example: base.Example, response: str) -> float:
     pred = response.strip()

@@ -1,9 +1,12 @@
-"""Argument checks shared by the advantage modules.
+"""Argument checks of array functions: shapes, ranges and choices, errors naming the argument.
 
-Every public function of :mod:`jaxrl_llm.advantages` validates shapes and
-hyper-parameters first, with an error that names the offending array or
-argument. The checks run in Python on static shapes, so they cost nothing
-under ``jit``; hyper-parameters that arrive as tracers are not range-checked.
+Every public function of :mod:`jaxrl_llm.advantages` (and the reward-model
+losses, :mod:`jaxrl_llm.reward_model.eos`, and the host-side diagnostics)
+validates shapes and hyper-parameters first, with an error that names the
+function, the offending array or argument and what was expected, e.g.
+``gae: values_bt has shape (2, 4) but rewards_bt has shape (2, 5); they must be
+equal``. The checks run in Python on static shapes, so they cost nothing under
+``jit``; hyper-parameters that arrive as tracers are not range-checked.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
+  """The static shape of ``x`` (array, tracer or nested list) as a tuple."""
   return tuple(np.shape(x))
 
 
@@ -75,6 +79,7 @@ def check_group_size(who: str, batch: int, group_size: Any) -> int:
 
 
 def is_concrete(x: Any) -> bool:
+  """False for a ``jit`` tracer (whose value cannot be checked in Python)."""
   return not isinstance(x, jax.core.Tracer)
 
 
@@ -99,11 +104,19 @@ def check_positive(who: str, name: str, value: Any, allow_zero: bool = False) ->
 
 
 def check_choice(who: str, name: str, value: Any, choices: tuple[str, ...]) -> str:
+  """Returns ``value``; raises ValueError naming it and listing ``choices`` when it is not one."""
   if value not in choices:
     raise ValueError(f"{who}: unknown {name} {value!r}; expected one of {', '.join(choices)}")
   return value
 
 
 def optional_valid(valid_b: Optional[Any], who: str, batch: int, batch_from: str) -> None:
+  """:func:`check_b` of an optional bool [B] ``valid_b`` mask (None passes)."""
   if valid_b is not None:
     check_b(who, "valid_b", valid_b, batch, batch_from)
+
+
+__all__ = [
+    "check_b", "check_bt", "check_choice", "check_group_size", "check_in_unit_interval", "check_positive",
+    "check_positive_int", "check_rank", "check_same_shape", "is_concrete", "optional_valid", "shape_of",
+]

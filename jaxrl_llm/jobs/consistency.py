@@ -1,7 +1,7 @@
 """The sampler-vs-learner consistency check, run on demand against a run's checkpoint.
 
 Each RL step already compares the learner's log-probabilities with the
-behaviour log-probabilities the sampler recorded (:meth:`Run.diagnose`). This
+behaviour log-probabilities the sampler recorded (:mod:`jaxrl_llm.jobs.update`). This
 module runs the same check outside training, for a checkpoint and a sampler:
 sample a batch of training prompts with the run's sampler (the in-process JAX
 sampler, or a Ray sampler actor exactly as PipelineRL uses it), recompute the
@@ -26,7 +26,10 @@ import jax
 import numpy as np
 
 from jaxrl_llm.diagnostics import offpolicy
+from jaxrl_llm.rollout import sources
 from jaxrl_llm.tasks import PromptSource
+
+__all__ = ["SAMPLERS", "check", "sample_batch"]
 
 SAMPLERS = ("jax", "actor")
 
@@ -35,7 +38,7 @@ def sample_batch(run: Any, num_prompts: int, sampler: str = "jax", seed_offset: 
   """Samples ``num_prompts`` training prompts x ``rl.samples_per_prompt`` with the chosen sampler.
 
   Args:
-    run: a :class:`jaxrl_llm.learner.loop.Run` (restored from its checkpoint).
+    run: a :class:`jaxrl_llm.jobs.RLJob` (restored from its checkpoint).
     num_prompts: G prompts (>= 1).
     sampler: "jax" (in-process) or "actor" (one Ray sampler actor, as the pipeline runs it).
     seed_offset: picks another prompt stream / sampling key.
@@ -54,7 +57,7 @@ def sample_batch(run: Any, num_prompts: int, sampler: str = "jax", seed_offset: 
   key = jax.random.fold_in(jax.random.PRNGKey(c.seed + 5000), seed_offset)
   t0 = time.perf_counter()
   if sampler == "jax":
-    run.publish()
+    run.publish_local()
     traj = run.sampler.generate(prompts, rng=key).trajectory
   else:
     traj = _sample_with_actor(run, prompts, key)
@@ -62,18 +65,14 @@ def sample_batch(run: Any, num_prompts: int, sampler: str = "jax", seed_offset: 
 
 
 def _sample_with_actor(run: Any, prompts, key) -> Any:
-  from jaxrl_llm import bridge, rollout
+  from jaxrl_llm import rollout
 
-  fingerprint = bridge.make_fingerprint(run.tokenizer, run.model_config)
-  spec = rollout.SamplerSpec(model_config=run.model_config, sampler_config=run.sampler_config,
-                             fingerprint=fingerprint.to_dict(), kind="jax")
-  version = int(run._state.train.policy_version)  # pylint: disable=protected-access
-  vocab = run.model_config.vocab_size
-  pool = rollout.SamplerPool(
-      spec, run.params, version, num_samplers=1, address=run.config.rollout.address or None,
-      actor_cpus=run.config.rollout.actor_cpus,
-      validate=lambda chunk: rollout.validate_chunk(chunk, fingerprint=fingerprint, vocab_size=vocab,
-                                                    latest_version=version))
+  version = int(run.state.train.policy_version)
+  c = run.config
+  pool = sources.start_sampler_pool(model_config=run.model_config, sampler_config=run.sampler_config,
+                                    tokenizer=run.tokenizer, params=run.params, version=version, num_samplers=1,
+                                    address=c.rollout.address, actor_cpus=c.rollout.actor_cpus,
+                                    latest_version=lambda: version)
   try:
     item = rollout.WorkItem(request_id=pool.new_request_id(), step=0, chunk=0,
                             prompts=tuple(tuple(int(t) for t in p) for p in prompts),
@@ -102,9 +101,9 @@ def check(run: Any, num_prompts: int = 32, sampler: str = "jax", seed_offset: in
   traj, seconds = sample_batch(run, num_prompts, sampler, seed_offset)
   tokens = np.asarray(traj.tokens_bt)
   seq = np.asarray(traj.prompt_mask_bt) | np.asarray(traj.response_mask_bt)
-  logp = np.asarray(run._logp(run.params, tokens, seq))  # pylint: disable=protected-access
+  logp = np.asarray(run.policy_logp(run.params, tokens, seq))
   mask = np.asarray(traj.response_mask_bt)
   stats = offpolicy.consistency_stats(logp, np.asarray(traj.behaviour_logp_bt), mask)
   return {"stats": stats, "alerts": offpolicy.consistency_alerts(stats, run.thresholds),
           "rows": int(tokens.shape[0]), "tokens": int(mask.sum()), "sample_s": seconds, "sampler": sampler,
-          "policy_version": int(run._state.train.policy_version)}  # pylint: disable=protected-access
+          "policy_version": int(run.state.train.policy_version)}

@@ -1,0 +1,175 @@
+"""Settings of the operational sections: sampler, rollout, data, diagnostics, reward
+model, evaluation, checkpoints, logging and export.
+
+The curation fields of ``config.data`` are declared by
+:class:`jaxrl_llm.tasks.curation.CurationConfig`, the consistency limits of
+``config.diagnostics`` by :class:`jaxrl_llm.diagnostics.ConsistencyThresholds`,
+``config.control`` by :class:`jaxrl_llm.diagnostics.control.ControlSettings` and
+``config.guard`` by :class:`jaxrl_llm.diagnostics.guard.GuardSettings`; this module
+declares the rest of those sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl_llm.diagnostics import offpolicy
+from jaxrl_llm.settings import (BOOL, NONEMPTY_STRING, NONNEG, NONNEG_INT, NUMBER, POSITIVE, POSITIVE_INT, STRING,
+                                check, in_range, setting)
+
+SAMPLER_KINDS = ("jax", "vllm")  # the sampler a rollout actor builds (jaxrl_llm.rollout.actor.SamplerSpec.kind)
+ROLLOUT_MODES = ("sync", "pipeline")  # where samples come from (the learner's process, or Ray sampler actors)
+CONSISTENCY_ACTIONS = ("warn", "skip")  # what a failed sampler/learner consistency check does
+RM_NORMALIZATIONS = ("none", "running")  # processing of reward-model scores (jaxrl_llm.reward_model.scorer)
+RM_BASELINES = ("none", "greedy", "answer")  # reference-response baselines of reward-model scores
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+  """``config.sampler``."""
+
+  kind: str = setting("jax", "the sampler: the built-in JAX sampler, or vLLM engines in Ray actors (needs "
+                      "rollout.mode='pipeline' and a GPU)", choices=SAMPLER_KINDS)
+
+  def __post_init__(self):
+    check(self, "sampler")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+  """``config.rollout``: synchronous sampling, or PipelineRL with Ray sampler actors ahead of the learner."""
+
+  mode: str = setting("sync", "'sync': sample in the learner's process between updates; 'pipeline': "
+                      "rollout.num_samplers Ray actors at most rollout.max_lag versions behind", choices=ROLLOUT_MODES)
+  num_samplers: int = setting(2, "'pipeline': Ray sampler actors", POSITIVE_INT)
+  max_lag: int = setting(4, "'pipeline': most policy versions a sample may lag behind the learner (0: on-policy)",
+                         NONNEG_INT)
+  chunks_per_step: int = setting(0, "'pipeline': work items per RL step; 0: one per sampler", NONNEG_INT)
+  segment_tokens: int = setting(0, "'pipeline': > 0: new weights may reach a sampler every this many tokens of a "
+                                "response", NONNEG_INT)
+  address: str = setting("", "Ray cluster address; empty: start a local cluster on 127.0.0.1", STRING)
+  actor_cpus: float = setting(1.0, "CPUs reserved by each Ray sampler actor", POSITIVE)
+
+  def __post_init__(self):
+    check(self, "rollout")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+  """``config.data`` beyond prompt curation: whether to curate, dynamic sampling and RFT."""
+
+  curate: bool = setting(False, "draw prompts from a curated source (the data.* curation fields) instead of the "
+                         "plain task stream", BOOL)
+  dynamic_sampling: bool = setting(False, "DAPO: resample until the batch holds rl.prompts_per_step groups with "
+                                   "non-zero reward variance", BOOL)
+  max_rounds: int = setting(4, "dynamic sampling: most sampling rounds per step (then zero-variance groups pad the "
+                            "batch)", POSITIVE_INT)
+  rft_every: int = setting(0, "> 0: every this many RL steps, an SFT step on the best sample of each prompt (RFT)",
+                           NONNEG_INT)
+  rft_min_reward: float = setting(1.0, "RFT: a best sample needs at least this reward", NUMBER)
+
+  def __post_init__(self):
+    check(self, "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagnosticsSettings:
+  """``config.diagnostics`` beyond the consistency limits: drift measurement, the check's action, data alerts."""
+
+  drift_every: int = setting(1, "measure the update drift U_k (a post-update forward) every this many steps; "
+                             "0: never", NONNEG_INT)
+  consistency_action: str = setting("warn", "on a consistency alert: 'warn' (log it) or 'skip' (discard the "
+                                    "update)", choices=CONSISTENCY_ACTIONS)
+  max_abs_advantage: float = setting(offpolicy.DEFAULT_MAX_ABS_ADVANTAGE, "data alert above this largest |advantage|",
+                                     POSITIVE)
+
+  def __post_init__(self):
+    check(self, "diagnostics")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSettings:
+  """``config.reward_model``: training one (``job='reward_model'``) and using one as the RL reward."""
+
+  data: str = setting("", "training pairs, JSONL of {prompt, chosen, rejected[, margin]}; empty: the task's "
+                      "built-in pairs", STRING)
+  eval_data: str = setting("", "held-out JSONL pairs; empty: a hash split of `data` by prompt", STRING)
+  eval_fraction: float = setting(0.05, "share of prompts held out when eval_data is empty",
+                                 in_range(0, 1, high_open=True))
+  prompt_field: str = setting("prompt", "JSONL field of the prompt", NONEMPTY_STRING)
+  chosen_field: str = setting("chosen", "JSONL field of the preferred response", NONEMPTY_STRING)
+  rejected_field: str = setting("rejected", "JSONL field of the other response", NONEMPTY_STRING)
+  margin_field: str = setting("margin", "JSONL field of an optional per-pair margin", NONEMPTY_STRING)
+  pair_kinds: str = setting("", "comma-separated kinds of built-in pairs (the task's wrong answers); empty: all "
+                            "of the task's own kinds (Task.pair_kinds)", STRING)
+  eval_pairs: int = setting(512, "held-out built-in pairs", POSITIVE_INT)
+  steps: int = setting(300, "reward-model training steps", NONNEG_INT)
+  batch_size: int = setting(32, "pairs per training step", POSITIVE_INT)
+  lr: float = setting(1e-4, "reward-model learning rate", POSITIVE)
+  margin: float = setting(0.0, "margin of pairs without one: loss -log sigmoid(r_chosen - r_rejected - margin)",
+                          NONNEG)
+  lm_coef: float = setting(0.0, "weight of a language-model loss on the chosen responses; 0: off", NONNEG)
+  path: str = setting("", "job='rl': export folder of a trained reward model used as reward; empty: the task's "
+                      "reward only", STRING)
+  rm_weight: float = setting(1.0, "reward = rule_weight * task reward + rm_weight * processed RM score", NONNEG)
+  rule_weight: float = setting(0.0, "weight of the task's rule reward next to the reward model", NONNEG)
+  normalize: str = setting("none", "'running': running z-score of the RM scores", choices=RM_NORMALIZATIONS)
+  clip: float = setting(0.0, "clip the processed RM score to [-clip, clip]; 0: off", NONNEG)
+  baseline: str = setting("none", "subtract the RM score of the current policy's greedy response ('greedy') or of the "
+                          "task's gold answer ('answer')", choices=RM_BASELINES)
+  no_eos_penalty: float = setting(0.0, "subtracted from the RM score of responses cut without an EOS", NONNEG)
+
+  def __post_init__(self):
+    check(self, "reward_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+  """``config.eval``: the periodic held-out evaluation."""
+
+  every: int = setting(20, "RL steps between held-out evaluations", POSITIVE_INT)
+  pass_k: int = setting(4, "k of the reported pass@k (k samples per held-out prompt)", POSITIVE_INT)
+
+  def __post_init__(self):
+    check(self, "eval")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+  """``config.checkpoint``: orbax checkpoints under <run_dir>/checkpoints."""
+
+  every: int = setting(50, "steps between checkpoints", POSITIVE_INT)
+  keep: int = setting(2, "checkpoints kept", POSITIVE_INT)
+  resume: bool = setting(True, "resume from the latest checkpoint of the run folder", BOOL)
+
+  def __post_init__(self):
+    check(self, "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSettings:
+  """``config.log``."""
+
+  progress: bool = setting(True, "show a progress bar", BOOL)
+  tensorboard: bool = setting(True, "write TensorBoard event files", BOOL)
+  every: int = setting(1, "steps between two metrics records", POSITIVE_INT)
+
+  def __post_init__(self):
+    check(self, "log")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSettings:
+  """``config.export``."""
+
+  hf: bool = setting(True, "export the final policy as a Hugging Face folder (<run_dir>/hf_export)", BOOL)
+
+  def __post_init__(self):
+    check(self, "export")
+
+
+__all__ = [
+    "SAMPLER_KINDS", "ROLLOUT_MODES", "CONSISTENCY_ACTIONS", "RM_NORMALIZATIONS", "RM_BASELINES", "SamplerSettings",
+    "RolloutSettings", "DataSettings", "DiagnosticsSettings", "RewardModelSettings", "EvalSettings",
+    "CheckpointSettings", "LogSettings", "ExportSettings",
+]

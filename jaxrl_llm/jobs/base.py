@@ -1,0 +1,341 @@
+"""What every job shares: the run folder, checkpoints with progress, the warm start, hooks, the summary.
+
+A job is a run with phases: an optional supervised warm start (``sft.steps``),
+an evaluation of the warm start, then its main phase of ``main_steps()``
+steps, a final evaluation and the outputs. :class:`Job` owns the scaffolding;
+a subclass supplies only what differs (the shape of flax's
+``train_and_evaluate`` or Tunix's ``RLLearner``, with explicit methods instead
+of attribute probing):
+
+===========================  ================================================
+subclass supplies            meaning
+===========================  ================================================
+``build()``                  models, optimizers, data; sets ``self.state``,
+                             ``self.model_config`` and ``self.sft_step``
+``after_restore()``          work that needs the final state (e.g. samplers)
+``train_state`` / setter     the :class:`~jaxrl_llm.learner.state.TrainState`
+                             inside ``self.state`` (the warm start trains it)
+``main_steps()``             length of the main phase
+``step()``                   one main-phase step; returns its metrics
+``evaluate()``               held-out metrics (``eval/*``)
+``end_warm_start(writer)``   what happens between the phases
+``summary(final)``           the job's own summary fields
+===========================  ================================================
+
+One run, in order: validate the config; check that the run folder is
+writable (before any compute); ``build()``; resume from the newest checkpoint
+when there is one (arrays, progress and every registered component's state);
+``after_restore()``; warm start; ``end_warm_start``; main phase, each step
+followed by the due hooks (:mod:`jaxrl_llm.jobs.hooks`), a metrics record and
+a checkpoint when due; final evaluation; ``metrics.jsonl``, TensorBoard
+events, ``curves.png``, ``summary.json`` and the model as a Hugging Face
+folder in ``hf_export/``.
+
+State that lives on the host (prompt streams, controllers, counters) is saved
+as JSON with the checkpoint: a component registered with
+:meth:`Job.register_state` (``get_state()``/``set_state(dict)``) is saved on
+every checkpoint and restored on resume, under its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import ml_collections
+
+from jaxrl_llm import bridge, configuration
+from jaxrl_llm.diagnostics import writers
+from jaxrl_llm.learner import builders, checkpoint, mesh as mesh_lib, multihost, sft
+from jaxrl_llm.reward_model.encoding import encode_prompt
+from jaxrl_llm.tasks import get_task
+
+__all__ = ["Hook", "Job", "NonFiniteError", "Progress", "place_on_mesh"]
+
+log = logging.getLogger("jaxrl_llm")
+
+
+class NonFiniteError(RuntimeError):
+  """Raised after ``learner.max_nonfinite_in_a_row`` consecutive skipped (non-finite) updates."""
+
+
+@dataclasses.dataclass
+class Progress:
+  """Host-side position of a run (saved as JSON next to the arrays of every checkpoint).
+
+  Attributes:
+    phase: "sft", the job's main phase (``Job.main_phase``) or "done".
+    sft_step: warm-start steps done.
+    step: main-phase steps done.
+    sft_stream: the warm start's example stream state.
+    warm_start: the evaluation taken when the warm start ended.
+    nonfinite_in_a_row: consecutive updates skipped for a non-finite loss or gradient.
+    skipped_updates: all such updates.
+    components: name -> state of every registered component (:meth:`Job.register_state`).
+  """
+
+  phase: str = "sft"
+  sft_step: int = 0
+  step: int = 0
+  sft_stream: Optional[dict] = None
+  warm_start: Optional[dict] = None
+  nonfinite_in_a_row: int = 0
+  skipped_updates: int = 0
+  components: dict = dataclasses.field(default_factory=dict)
+
+
+class Hook:
+  """A periodic action of a job, run after a main-phase step when :meth:`due`.
+
+  Subclasses set ``name`` and implement ``__call__(job, step, metrics) -> metrics``
+  (``metrics``: the step's metrics so far, read-only by convention); a
+  hook with host state also implements ``get_state``/``set_state`` (it is
+  then saved with every checkpoint under its name).
+  """
+
+  name = "hook"
+
+  def due(self, step: int) -> bool:
+    """Whether to run after main-phase step ``step`` (1-based count of steps done)."""
+    del step
+    return True
+
+  def __call__(self, job: "Job", step: int, metrics: dict) -> dict:
+    raise NotImplementedError(f"{type(self).__name__} must implement __call__")
+
+
+class Job:
+  """The shared scaffolding of a run; see the module docstring for what a subclass supplies."""
+
+  main_phase = "main"
+  plot_keys: tuple[str, ...] = ()
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    configuration.validate(config)
+    self.config = config
+    self.settings = configuration.settings(config)  # typed, checked sections
+    self.run_dir = os.path.abspath(configuration.run_dir(config))
+    checkpoint.check_writable(self.run_dir, "run folder (run_dir)")
+    # Process 0 writes the run's files; the others write theirs under process_<i>/.
+    self.out_dir = (self.run_dir if multihost.is_main_process()
+                    else os.path.join(self.run_dir, f"process_{jax.process_index()}"))
+    self.checkpointer = checkpoint.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
+                                                keep=config.checkpoint.keep, save_every=config.checkpoint.every)
+    self.task = get_task(config.task.name, **dict(config.task.kwargs))
+    self.tokenizer = builders.build_tokenizer(config, self.task)
+    self.mesh = mesh_lib.make_mesh(dict(config.learner.mesh))
+    self.progress = Progress(phase="sft")
+    self.hooks: list[Hook] = []
+    self.state: Any = None
+    self.model_config: Any = None
+    self.sft_step: Optional[Callable] = None  # the warm start's jitted step (set by build)
+    self._components: dict[str, Any] = {}
+    self._closers: list[Callable[[], None]] = [self.checkpointer.close]
+    self.build()
+    self.restore()
+    self.after_restore()
+
+  # ------------------------------------------------------------------ supplied by subclasses
+
+  def build(self) -> None:
+    raise NotImplementedError
+
+  def after_restore(self) -> None:
+    pass
+
+  @property
+  def train_state(self) -> Any:
+    raise NotImplementedError
+
+  def set_train_state(self, train: Any) -> None:
+    raise NotImplementedError
+
+  def main_steps(self) -> int:
+    raise NotImplementedError
+
+  def step(self) -> dict:
+    raise NotImplementedError
+
+  def evaluate(self) -> dict:
+    raise NotImplementedError
+
+  def end_warm_start(self, writer: writers.MetricsWriter) -> None:
+    pass
+
+  def summary(self, final: dict) -> dict:
+    return {}
+
+  # ------------------------------------------------------------------ components, hooks, checkpoints
+
+  def register_state(self, name: str, component: Any) -> None:
+    """Saves ``component.get_state()`` with every checkpoint and restores it on resume."""
+    if name in self._components:
+      raise ValueError(f"component {name!r} is registered twice")
+    self._components[name] = component
+
+  def add_hook(self, hook: Hook) -> None:
+    """Runs ``hook`` after every main-phase step it is due at (in the order added)."""
+    self.hooks.append(hook)
+    if callable(getattr(hook, "get_state", None)):
+      self.register_state(hook.name, hook)
+
+  def on_close(self, fn: Callable[[], None]) -> None:
+    """Calls ``fn`` when the run ends (even on an error): reward workers, sampler actors."""
+    self._closers.append(fn)
+
+  def restore(self) -> bool:
+    """Loads the newest checkpoint (arrays, progress, components); False when there is none."""
+    if not (self.config.checkpoint.resume and self.checkpointer.latest_step() is not None):
+      return False
+    state, extra, step = self.checkpointer.restore(self.restorable_like(self.state))
+    self.state = place_on_mesh(state, self.mesh)
+    self.progress = Progress(**extra["progress"])
+    for name, component in self._components.items():
+      if self.progress.components.get(name) is not None:
+        component.set_state(self.progress.components[name])
+    log.warning("resumed from checkpoint step %d (%s phase)", step, self.progress.phase)
+    print(f"Resumed from {self.checkpointer.directory} at step {step} ({self.progress.phase} phase).")
+    return True
+
+  def restorable_like(self, state: Any) -> Any:
+    """The structure a checkpoint of this job holds (a subclass may add optional parts)."""
+    return state
+
+  def save(self, force: bool = False) -> None:
+    """Checkpoints arrays + progress + components when due (every ``checkpoint.every`` steps) or forced."""
+    step = self.progress.sft_step + self.progress.step
+    if force or self.checkpointer.should_save(step):
+      self.progress.components = {name: c.get_state() for name, c in self._components.items()}
+      self.checkpointer.save(step, self.state, {"progress": dataclasses.asdict(self.progress)})
+
+  def track_nonfinite(self, metrics: dict) -> None:
+    """Counts updates skipped for a non-finite loss or gradient; raises after too many in a row."""
+    if float(metrics["update/skipped_nonfinite"]) > 0:
+      self.progress.skipped_updates += 1
+      self.progress.nonfinite_in_a_row += 1
+      log.warning("non-finite loss or gradient: update skipped (%d in a row)", self.progress.nonfinite_in_a_row)
+      limit = self.config.learner.max_nonfinite_in_a_row
+      if self.progress.nonfinite_in_a_row >= limit:
+        raise NonFiniteError(
+            f"{self.progress.nonfinite_in_a_row} consecutive updates had a non-finite loss or gradient "
+            f"(limit learner.max_nonfinite_in_a_row={limit}); stopping. The last good state is in "
+            f"{self.checkpointer.directory}.")
+    else:
+      self.progress.nonfinite_in_a_row = 0
+
+  # ------------------------------------------------------------------ shared pieces
+
+  def encode_prompt(self, prompt: Any) -> list[int]:
+    """Prompt ids (the tokenizer's chat template when ``task.use_chat_template``)."""
+    return encode_prompt(self.tokenizer, prompt, self.config.task.use_chat_template)
+
+  def decode_response(self, ids: list[int]) -> str:
+    return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+  def make_sft_step(self, optimizer: Any, grad_atoms: int = 0) -> Callable:
+    """The jitted supervised step of this job's model (``learner.micro_batches``)."""
+    return sft.make_sft_step(self.model_config, optimizer, self.config.learner.micro_batches,
+                             grad_atoms=grad_atoms, mesh=self.mesh)
+
+  def run_warm_start(self, writer: writers.MetricsWriter, step_fn: Callable) -> None:
+    """``sft.steps`` supervised steps on the task's gold responses (resumable mid-way)."""
+    c = self.config
+    stream = self.task.train_prompts(seed=c.seed + 1000)
+    if self.progress.sft_stream:
+      stream.set_state(self.progress.sft_stream)
+    while self.progress.sft_step < c.sft.steps:
+      examples = [next(stream) for _ in range(c.sft.batch_size)]
+      batch = sft.collate([self.encode_prompt(e.prompt) for e in examples],
+                          [self.tokenizer.encode(self.task.sft_target(e), add_special_tokens=False) for e in examples],
+                          self.tokenizer.eos_id, self.tokenizer.pad_id, self.model_config.max_position_embeddings)
+      train, m = step_fn(self.train_state, batch)
+      self.set_train_state(train)
+      self.progress.sft_step += 1
+      self.progress.sft_stream = stream.get_state()
+      self.track_nonfinite(m)
+      if self.progress.sft_step % c.log.every == 0:
+        writer.write(self.progress.sft_step - c.sft.steps, m)
+      self.save()
+
+  # ------------------------------------------------------------------ the run
+
+  def train(self) -> dict:
+    """Runs the job from wherever its progress stands; returns the summary (also summary.json)."""
+    c = self.config
+    start = time.time()
+    writer = writers.MetricsWriter(self.out_dir, c.sft.steps + self.main_steps(), description=c.name,
+                                   progress=c.log.progress, tensorboard=c.log.tensorboard)
+    try:
+      if self.progress.phase == "sft":
+        if c.sft.steps:
+          self.run_warm_start(writer, self.sft_step)
+        self.end_warm_start(writer)
+        self.progress.phase = self.main_phase
+        self.save(force=True)
+      if self.progress.phase == self.main_phase:
+        while self.progress.step < self.main_steps():
+          metrics = self.step()
+          self.progress.step += 1
+          for hook in self.hooks:
+            if hook.due(self.progress.step):
+              metrics.update(hook(self, self.progress.step, metrics))
+          if self.progress.step % c.log.every == 0 or any(k.startswith("eval/") for k in metrics):
+            writer.write(self.progress.step, metrics)
+          self.save()
+        self.progress.phase = "done"
+        self.save(force=True)
+      final = self.evaluate()
+    finally:
+      writer.close()
+      self.close()
+    return self.finish(final, time.time() - start, writer)
+
+  def close(self) -> None:
+    for fn in reversed(self._closers):
+      fn()
+    self._closers = []
+
+  def finish(self, final: dict, seconds: float, writer: writers.MetricsWriter) -> dict:
+    """Plot, HF export, ``summary.json`` and the printed summary line."""
+    c = self.config
+    records = [r for r in writers.read_jsonl(writer.jsonl_path) if r["step"] >= 0]
+    plot = writers.plot_curves(records, os.path.join(self.out_dir, "curves.png"), list(self.plot_keys), title=c.name)
+    export_dir = None
+    if c.export.hf:
+      params = multihost.to_host(self.train_state.params)  # every process gathers; process 0 writes
+      if multihost.is_main_process():
+        export_dir = bridge.export_hf_checkpoint(params, self.model_config, os.path.join(self.run_dir, "hf_export"),
+                                                 tokenizer=self.tokenizer)
+    summary = {"name": c.name, "job": c.job, **self.summary(final),
+               "sft_steps": self.progress.sft_step, "skipped_updates": self.progress.skipped_updates,
+               "wall_clock_s": seconds, "run_dir": self.run_dir,
+               "outputs": {"metrics": writer.jsonl_path, "tensorboard": writer.tb_dir, "plot": plot,
+                           "hf_export": export_dir, "checkpoints": self.checkpointer.directory}}
+    with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    print(f"\n{c.name}: {self.headline(summary)} ({seconds:.0f} s).\nOutputs in {self.run_dir}: metrics.jsonl, "
+          "tensorboard/, curves.png, summary.json" + (", hf_export/" if export_dir else ""))
+    return summary
+
+  def headline(self, summary: dict) -> str:
+    """The one-line result printed at the end."""
+    return "done"
+
+
+def place_on_mesh(tree: Any, mesh: Any) -> Any:
+  """Commits every leaf to ``mesh``: sharded leaves keep their sharding, the rest (step counters,
+  RNG, optimizer counts, objective state) are replicated, so a state restored from a checkpoint
+  lands on the same devices as a fresh one."""
+  replicated = mesh_lib.replicated(mesh)
+
+  def place(x):
+    if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) and x.sharding.mesh == mesh:
+      return x
+    return jax.device_put(x, replicated)
+
+  return jax.tree.map(place, tree)

@@ -1,0 +1,77 @@
+"""The score stage of an RL step: sequence rewards of the sampled responses.
+
+``rewards = clip(rule_weight * task reward + rm_weight * processed RM score)``
+where the task's rule reward runs in a guarded runner (timeouts and exceptions
+score 0 and are counted; :class:`jaxrl_llm.tasks.RewardRunner`), the reward
+model's score is processed as configured (:class:`jaxrl_llm.reward_model.SequenceRewards`:
+no-EOS penalty, reference baseline, running z-score, clip), and without a
+reward model the rule reward is the reward. ``advantage.reward_clip`` clips the
+result. A curated prompt stream is told each prompt's rewards (its pass rates).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from jaxrl_llm.types import Trajectory
+
+__all__ = ["RewardStage", "RUNNER_COUNTERS"]
+
+# RewardRunner counters saved with the run's progress (cumulative over the whole run).
+RUNNER_COUNTERS = ("calls", "failures", "timeouts", "nonfinite", "worker_restarts", "seconds")
+
+
+class RewardStage:
+  """Scores B = G x n sampled rows.
+
+  Args:
+    runner: the task's guarded :class:`~jaxrl_llm.tasks.RewardRunner`.
+    decode: response ids -> text.
+    group_size: n rows per prompt (rows of a prompt are contiguous).
+    sequence_rewards: the reward-model rewards, or None (rule reward only).
+    reward_clip: clip the rewards to [-c, c]; 0: no clipping.
+    record: ``record(examples, rewards)`` of a curated prompt stream, or None.
+  """
+
+  def __init__(self, runner: Any, decode: Callable[[Sequence[int]], str], group_size: int, *,
+               sequence_rewards: Any = None, reward_clip: float = 0.0,
+               record: Optional[Callable[[list, np.ndarray], None]] = None):
+    self.runner = runner
+    self.decode = decode
+    self.group_size = group_size
+    self.sequence_rewards = sequence_rewards
+    self.reward_clip = float(reward_clip)
+    self.record = record
+
+  def __call__(self, examples: Sequence[Any], trajectory: Trajectory,
+               response_tokens: Sequence[Sequence[int]]) -> tuple[np.ndarray, dict]:
+    """``(rewards float32 [B], metrics)`` of one batch (``trajectory`` trimmed, numpy)."""
+    n = self.group_size
+    pairs = [(examples[i // n], self.decode(r)) for i, r in enumerate(response_tokens)]
+    rewards = np.asarray(self.runner.score(pairs), np.float32)
+    metrics: dict[str, Any] = {}
+    if self.sequence_rewards is not None:
+      rewards, metrics = self.sequence_rewards(examples, pairs, trajectory, rewards)
+    if self.reward_clip:
+      rewards = np.clip(rewards, -self.reward_clip, self.reward_clip)
+    if self.record is not None:
+      self.record(list(examples), rewards)
+    return rewards, metrics
+
+  def runner_metrics(self) -> dict:
+    """The rule-reward runner's cumulative counters (``reward/task/*``)."""
+    return self.runner.metrics
+
+  def get_state(self) -> dict:
+    state = {"runner": {k: getattr(self.runner, k) for k in RUNNER_COUNTERS}}
+    if self.sequence_rewards is not None:
+      state["reward_model"] = self.sequence_rewards.get_state()
+    return state
+
+  def set_state(self, state: dict) -> None:
+    for name, value in state.get("runner", {}).items():
+      setattr(self.runner, name, value)  # a resumed run logs the counts an uninterrupted one would
+    if self.sequence_rewards is not None:
+      self.sequence_rewards.set_state(state.get("reward_model"))
