@@ -3,7 +3,7 @@
   jaxrl-train --config=configs/rm_addition.py         # first: the reward model
   jaxrl-train --config=configs/ppo_rm_addition.py     # then: PPO against it
 
-The seeds' RLHF recipe on the built-in task: the actor starts from the SFT warm
+The InstructGPT-style RLHF recipe (Ouyang et al., arXiv:2203.02155) on the built-in task: the actor starts from the SFT warm
 start (400 steps, configs/addition_base.py), the critic from the reward model
 (trunk and scalar head, via ``critic.init_from``) and warms up for
 ``critic.warmup_steps`` steps with the actor frozen; GAE with gamma = 1. The

@@ -210,7 +210,7 @@ def test_critic_init_from_a_reward_model_export_is_its_trunk_and_head(rm_export)
 
 
 def test_ppo_run_scores_with_the_reward_model_and_keeps_its_state(tmp_path, rm_export):
-  """The loop's data path (collect -> build_batch -> score_rewards -> KL shaping -> GAE) with a
+  """The RL job's data path (collect -> score -> KL shaping -> GAE advantages) with a
   reward-model reward and a critic from the reward model; the update step itself is the
   unchanged RL step (covered by the learner tests), so it is not compiled here."""
   folder, params, _, _ = rm_export

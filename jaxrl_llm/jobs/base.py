@@ -331,7 +331,7 @@ def place_on_mesh(tree: Any, mesh: Any) -> Any:
   """Commits every leaf to ``mesh``: sharded leaves keep their sharding, the rest (step counters,
   RNG, optimizer counts, objective state) are replicated, so a state restored from a checkpoint
   lands on the same devices as a fresh one."""
-  replicated = mesh_lib.replicated(mesh)
+  replicated = mesh_lib.replicated_sharding(mesh)
 
   def place(x):
     if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) and x.sharding.mesh == mesh:

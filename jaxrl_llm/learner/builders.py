@@ -63,8 +63,8 @@ def build_params(config: ml_collections.ConfigDict, model_config: ModelConfig, m
   Scalar heads on import (see :func:`stored_heads`): a head the folder's side
   file holds is imported; a critic (``value_head``) imported from a reward
   model's export, which has a ``reward_head`` and no value head, takes the
-  reward head as its value head (the seeds' "critic initialised from the reward
-  model": trunk and scalar head); any other head the folder lacks starts fresh
+  reward head as its value head (the critic initialised from the reward model,
+  trunk and scalar head, as in Ouyang et al., arXiv:2203.02155); any other head the folder lacks starts fresh
   (normal(0, 0.02) kernel, zero bias, from ``seed``).
   """
   shardings = models.param_shardings(model_config, mesh)

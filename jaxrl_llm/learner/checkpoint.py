@@ -49,7 +49,9 @@ class Checkpointer:
     self.save_every = save_every
     self._manager = ocp.CheckpointManager(
         directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        # Synchronous saves (the next step may donate the state's buffers); with async ones our own
+        # wait after each save is counted by orbax against the next save and logged as a warning.
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),
         item_names=("state", "extra"),
     )
 

@@ -62,7 +62,7 @@ def make_mesh(sizes: Mapping[str, int], devices: Optional[Sequence[jax.Device]] 
   return Mesh(np.array(devices[:int(np.prod(shape))]).reshape(shape), MESH_AXES)
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
   """The sharding that puts a whole copy on every device of ``mesh``."""
   return NamedSharding(mesh, P())
 
@@ -94,4 +94,4 @@ def check_grad_atoms(mesh: Mesh, atoms: int, batch_axes: Sequence[str] = BATCH_A
 
 
 __all__ = ["BATCH_AXES", "MESH_AXES", "batch_divisor", "batch_sharding", "check_grad_atoms", "make_mesh",
-           "replicated", "resolve_mesh_shape"]
+           "replicated_sharding", "resolve_mesh_shape"]
