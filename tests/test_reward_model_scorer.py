@@ -7,7 +7,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -15,7 +14,7 @@ from jaxrl_llm import advantages as A, bridge, configuration as C, models
 from jaxrl_llm import jobs
 from jaxrl_llm.learner import builders, mesh as mesh_lib
 from jaxrl_llm.reward_model import scorer as S, shaping
-from jaxrl_llm.tasks import AdditionTask, PromptSource
+from jaxrl_llm.tasks import AdditionTask
 
 import tiny_configs
 from jaxrl_llm.types import Trajectory

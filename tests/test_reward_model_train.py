@@ -5,7 +5,6 @@ import json
 import os
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 

@@ -39,6 +39,7 @@ every checkpoint and restored on resume, under its name.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import logging
@@ -89,7 +90,7 @@ class Progress:
   components: dict = dataclasses.field(default_factory=dict)
 
 
-class Hook:
+class Hook(abc.ABC):
   """A periodic action of a job, run after a main-phase step when :meth:`due`.
 
   Subclasses set ``name`` and implement ``__call__(job, step, metrics) -> metrics``
@@ -105,11 +106,12 @@ class Hook:
     del step
     return True
 
+  @abc.abstractmethod
   def __call__(self, job: "Job", step: int, metrics: dict) -> dict:
-    raise NotImplementedError(f"{type(self).__name__} must implement __call__")
+    """Runs the hook after main-phase step ``step``; returns metrics for that step's record."""
 
 
-class Job:
+class Job(abc.ABC):
   """The shared scaffolding of a run; see the module docstring for what a subclass supplies."""
 
   main_phase = "main"
@@ -142,27 +144,33 @@ class Job:
 
   # ------------------------------------------------------------------ supplied by subclasses
 
+  @abc.abstractmethod
   def build(self) -> None:
-    raise NotImplementedError
+    """Builds models, optimizers and data; sets ``state``, ``model_config`` and ``sft_step``."""
 
   def after_restore(self) -> None:
     pass
 
   @property
+  @abc.abstractmethod
   def train_state(self) -> Any:
-    raise NotImplementedError
+    """The TrainState inside ``state`` that the warm start trains."""
 
+  @abc.abstractmethod
   def set_train_state(self, train: Any) -> None:
-    raise NotImplementedError
+    """Puts ``train`` back into ``state``."""
 
+  @abc.abstractmethod
   def main_steps(self) -> int:
-    raise NotImplementedError
+    """Steps of the main phase."""
 
+  @abc.abstractmethod
   def step(self) -> dict:
-    raise NotImplementedError
+    """One main-phase step; returns its metrics."""
 
+  @abc.abstractmethod
   def evaluate(self) -> dict:
-    raise NotImplementedError
+    """Held-out metrics (``eval/*``) of the current model."""
 
   def end_warm_start(self, writer: writers.MetricsWriter) -> None:
     pass

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import json
 import logging
 import math
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -51,6 +50,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from jaxrl_llm.tasks import DEFAULT_SPLIT_SALT, CounterRng, Example, Task, split_fraction
+from jaxrl_llm.tasks.jsonl import read_jsonl_objects
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -145,33 +145,24 @@ def load_preference_jsonl(path: str, *, prompt_field: str = "prompt", chosen_fie
   """
   pairs: list[PreferencePair] = []
   rows = identical = 0
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      rows += 1
-      where = f"{path}:{lineno}"
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-      if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-      for field in (prompt_field, chosen_field, rejected_field):
-        if field not in row:
-          raise ValueError(f"{where}: preference row is missing field {field!r} (fields present: {sorted(row)})")
-      prompt = _prompt(row[prompt_field], where, prompt_field)
-      chosen = _response(row[chosen_field], where, chosen_field)
-      rejected = _response(row[rejected_field], where, rejected_field)
-      margin = row.get(margin_field)
-      if margin is not None:
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
-          raise ValueError(f"{where}: field {margin_field!r} must be a finite number, got {margin!r}")
-        margin = float(margin)
-      if chosen.strip() == rejected.strip():
-        identical += 1
-        continue
-      pairs.append(PreferencePair(prompt, chosen, rejected, margin, source=where))
+  for lineno, row in read_jsonl_objects(path):
+    rows += 1
+    where = f"{path}:{lineno}"
+    for field in (prompt_field, chosen_field, rejected_field):
+      if field not in row:
+        raise ValueError(f"{where}: preference row is missing field {field!r} (fields present: {sorted(row)})")
+    prompt = _prompt(row[prompt_field], where, prompt_field)
+    chosen = _response(row[chosen_field], where, chosen_field)
+    rejected = _response(row[rejected_field], where, rejected_field)
+    margin = row.get(margin_field)
+    if margin is not None:
+      if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise ValueError(f"{where}: field {margin_field!r} must be a finite number, got {margin!r}")
+      margin = float(margin)
+    if chosen.strip() == rejected.strip():
+      identical += 1
+      continue
+    pairs.append(PreferencePair(prompt, chosen, rejected, margin, source=where))
   if identical:
     log.warning("%s: %d of %d preference rows have identical chosen and rejected texts; skipped",
                 path, identical, rows)

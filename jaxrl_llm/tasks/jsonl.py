@@ -28,7 +28,7 @@ import hashlib
 import json
 import math
 import re
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, ClassVar, Iterator, Mapping, Optional
 
 from jaxrl_llm.tasks import base, math_verify, pairs
 
@@ -50,6 +50,25 @@ def _order(n: int, *key: Any) -> list[int]:
 def _key(prompt: str) -> str:
   return " ".join(prompt.split())
 
+
+
+def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
+  """``(line number, row)`` of every non-blank line of a JSONL file, each a JSON object.
+
+  Raises:
+    ValueError: ``path:line: ...`` for a line that is not valid JSON or not an object.
+  """
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(row, dict):
+        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+      yield lineno, row
 
 @dataclasses.dataclass(frozen=True)
 class JsonlTask(base.Task):
@@ -132,18 +151,7 @@ class JsonlTask(base.Task):
     object.__setattr__(self, "_alphabet", base.alphabet_of(texts))
 
   def _load(self, path: str) -> list[tuple[str, base.Example]]:
-    rows: list[tuple[str, base.Example]] = []
-    with open(path, encoding="utf-8") as f:
-      for lineno, line in enumerate(f, start=1):
-        if not line.strip():
-          continue
-        try:
-          row = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict):
-          raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(self._row_to_example(row, path, lineno))
+    rows = [self._row_to_example(row, path, lineno) for lineno, row in read_jsonl_objects(path)]
     if not rows:
       raise ValueError(f"{path}: the file has no rows (empty JSONL file)")
     return rows
