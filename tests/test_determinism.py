@@ -1,14 +1,16 @@
 """Runs that repeat bit for bit: repeats, micro-batch counts, data-parallel sizes, FSDP, SIGKILL + resume.
 
-All runs use one tiny batch-invariant config (``TINY_CONFIG``: a 2-layer decoder of
+All runs use one tiny batch-invariant config (``TINY_CONFIG``: a 1-layer decoder of
 width 32 on 1-digit addition, a short SFT warm start then GRPO), written to a file
 so that in-process runs and ``launch.train`` subprocesses build the same config.
-A module-wide persistent compilation cache lets runs with the same mesh reuse
-each other's programs (compiling the batch-invariant step dominates the time).
+The persistent compilation cache of ``conftest.py`` lets runs with the same mesh
+reuse each other's programs, in this session and the next ones (compiling the
+batch-invariant step dominates the time).
 
-The mesh and micro-batch variants run in one worker process (this file run as a
+The mesh and micro-batch variants run in two worker processes (this file run as a
 script), so that JAX there sees 8 CPU devices and the compilation cache, and the
-pytest process is left alone.
+pytest process is left alone. The SIGKILL test kills its run at a fixed point (a
+checkpoint about to be written), not after a delay.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def get_config():
   c.seed = 3
   c.model.hidden_size = 32
   c.model.intermediate_size = 64
-  c.model.num_layers = 2
+  c.model.num_layers = 1
   c.model.num_heads = 2
   c.model.num_kv_heads = 1
   c.model.max_position_embeddings = 32

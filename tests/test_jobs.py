@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_llm import advantages as A, jobs
+from jaxrl_llm import advantages as A, jobs, tasks
 from jaxrl_llm.jobs.advantages import AdvantageInputs, AdvantageSpec, compute_advantages
 from jaxrl_llm.types import Trajectory
 
@@ -126,5 +126,9 @@ def test_a_healthy_run_with_the_zero_variance_filter_logs_no_warning(tmp_path, c
 def test_worked_examples_of_the_architecture_page_run():
   blocks = _doc_blocks()
   assert len(blocks) == 3, "docs/architecture.md: a recipe parameter, a task and a hook"
-  for block in blocks:
-    exec(compile(block, str(ARCHITECTURE), "exec"), {})  # each block asserts its own results
+  try:
+    for block in blocks:
+      exec(compile(block, str(ARCHITECTURE), "exec"), {})  # each block asserts its own results
+  finally:  # the task example registers "reverse": other tests (docs/config.md) see the built-in tasks only
+    if "reverse" in tasks.list_tasks():
+      tasks.unregister_task("reverse")

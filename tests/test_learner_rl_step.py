@@ -49,7 +49,8 @@ def test_training_on_informative_rows_equals_the_masked_batch():
   small = jax.tree.map(lambda a: a[rows], full)
 
   objective = O.recipe("grpo", kl_coef=0.0)
-  opt = optim.make_optimizer(1e-3)
+  lr = 1e-3
+  opt = optim.make_optimizer(lr)
   step = rl_step.make_rl_step(rl_step.RLStepSpec(model=CONFIG, temperature=1.0, group_size=N), objective, opt)
   state = create_train_state(params, opt, 0)
   s_full, _, m_full = step(state, objective.init(None), full)
@@ -57,5 +58,8 @@ def test_training_on_informative_rows_equals_the_masked_batch():
   assert abs(float(m_full["loss"])) > 1e-3
   np.testing.assert_allclose(float(m_small["loss"]), float(m_full["loss"]), rtol=1e-5)
   np.testing.assert_allclose(float(m_small["grad_norm"]), float(m_full["grad_norm"]), rtol=1e-5)
+  # Adam's first step moves a parameter by lr * g / (|g| + eps): where |g| is of the order of eps the
+  # move is a fraction of lr that the last bits of g decide, and the two batches sum the same
+  # gradients in another order. So the moves agree to 1% of lr (a gradient of the other sign is 2 lr away).
   for x, y in zip(jax.tree.leaves(s_full.params), jax.tree.leaves(s_small.params)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-2 * lr)

@@ -18,7 +18,8 @@ from jaxrl_llm.tasks.jsonl import JsonlTask
 from jaxrl_llm.tasks.math_verify import answers_match, extract_answer, parse_number, verify
 from jaxrl_llm.tasks.pairs import TEXT_PAIR_KINDS, ResponsePair
 from jaxrl_llm.tasks.prompts import EvalSet, PromptBatch, PromptSource, build_eval_set, group_examples
-from jaxrl_llm.tasks.registry import DEFAULT_TASK, get_task, list_tasks, register_task, task_factory
+from jaxrl_llm.tasks.registry import (DEFAULT_TASK, get_task, list_tasks, register_task, task_factory,
+                                      unregister_task)
 from jaxrl_llm.tasks.reward_runner import RewardRunner
 from jaxrl_llm.tasks.rng import CounterRng
 from jaxrl_llm.tasks.sorting import SortingTask
@@ -28,6 +29,6 @@ __all__ = [
     "DEFAULT_SPLIT_SALT", "DEFAULT_TASK", "EvalSet", "Example", "GeneratedTask", "InformativeGroupCollector",
     "JsonlTask", "PassRateTracker", "PromptBatch", "PromptSource", "ResponsePair", "RewardRunner", "SortingTask",
     "TEXT_PAIR_KINDS", "Task", "TaskIterator", "answers_match", "build_eval_set", "extract_answer", "get_task",
-    "group_examples", "list_tasks", "parse_expression", "parse_number", "prompt_key", "register_task",
+    "group_examples", "list_tasks", "parse_expression", "parse_number", "prompt_key", "register_task", "unregister_task",
     "split_fraction", "task_factory", "verify", "zero_variance_groups",
 ]

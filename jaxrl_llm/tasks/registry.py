@@ -35,6 +35,13 @@ def register_task(name: str, factory: Callable[..., base.Task], *, overwrite: bo
   _REGISTRY[name] = factory
 
 
+def unregister_task(name: str) -> None:
+  """Removes a task registered with :func:`register_task` (KeyError naming it when absent)."""
+  if name not in _REGISTRY:
+    raise KeyError(f"task {name!r} is not registered; registered: {list_tasks()}")
+  del _REGISTRY[name]
+
+
 def task_factory(name: str) -> Callable[..., base.Task]:
   """The factory registered under ``name`` (what ``get_task(name, **kwargs)`` calls).
 
@@ -69,4 +76,5 @@ def get_task(name: str, **kwargs: Any) -> base.Task:
   return factory(**kwargs)
 
 
-__all__ = ["DEFAULT_TASK", "get_task", "list_tasks", "register_task", "task_factory"]
+__all__ = ["DEFAULT_TASK", "get_task", "list_tasks", "register_task", "task_factory",
+           "unregister_task"]
