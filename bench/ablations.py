@@ -30,12 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from typing import Optional, Sequence
 
-from bench.common import dispatch_worker, emit, load_average, run_worker
+from bench.common import default_job_config, dispatch_worker, emit, load_average, run_worker
 
 VARIANTS = {
     "filter": {},
@@ -46,18 +45,9 @@ VARIANTS = {
 
 
 def _config(run_dir: str, variant: str, steps: int, eval_every: int):
-  sys.path.insert(0, os.getcwd())
-  from configs import grpo_addition
   from jaxrl_llm import configuration
 
-  c = grpo_addition.get_config()
-  c.run_dir = run_dir
-  c.rl.steps = steps
-  c.eval.every = eval_every
-  c.checkpoint.every = 10**6
-  c.export.hf = False
-  c.log.progress = False
-  c.log.tensorboard = False
+  c = default_job_config(run_dir, steps, eval_every)
   for path, value in VARIANTS[variant].items():
     configuration.override(c, path, value)
   return c

@@ -103,6 +103,26 @@ def dispatch_worker(name: Optional[str], args: Any, **workers: Callable[[Any], d
   return result
 
 
+def default_job_config(run_dir: str, steps: int, eval_every: int, seed: int = 0):
+  """The default job (``configs/grpo_addition.py``) for a benchmark run: in ``run_dir``, ``steps`` RL
+  steps, an evaluation every ``eval_every`` steps, no checkpoints, HF export, TensorBoard or progress bar."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  from configs import grpo_addition
+
+  c = grpo_addition.get_config()
+  c.run_dir = run_dir
+  c.seed = seed
+  c.rl.steps = steps
+  c.eval.every = eval_every
+  c.checkpoint.every = 10**6
+  c.export.hf = False
+  c.log.progress = False
+  c.log.tensorboard = False
+  return c
+
+
 def finish(result: dict, load_start: Sequence[float], t_start: float) -> dict:
   """Adds the load averages around the run and its wall-clock to ``result``, emits it, returns it."""
   result.update({"load_average_start": list(load_start), "load_average_end": load_average(),

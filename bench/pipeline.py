@@ -30,28 +30,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Optional, Sequence
 
-from bench.common import dispatch_worker, emit, load_average, run_worker
+from bench.common import default_job_config, dispatch_worker, emit, load_average, run_worker
 
 
 def _config(run_dir: str, mode: str, lag: int, samplers: int, steps: int):
-  sys.path.insert(0, os.getcwd())
-  from configs import grpo_addition
-
-  c = grpo_addition.get_config()
-  c.run_dir = run_dir
+  c = default_job_config(run_dir, steps, 10**6)
   c.sft.steps = 0
-  c.rl.steps = steps
-  c.eval.every = 10**6
   c.task.eval_size = 8
-  c.checkpoint.every = 10**6
-  c.export.hf = False
-  c.log.progress = False
-  c.log.tensorboard = False
   c.rollout.mode = mode
   c.rollout.max_lag = lag
   c.rollout.num_samplers = samplers

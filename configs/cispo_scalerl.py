@@ -14,6 +14,10 @@ def get_config():
   c.objective.kwargs.aggregation = "prompt_mean"
   c.advantage.estimator = "dr_grpo"  # group-mean baseline; the std comes from the batch level
   c.advantage.normalization = "batch"
+  c.advantage.norm_level = "sequence"  # each generation counts once in the batch std ...
+  c.advantage.norm_shift_mean = False  # ... of advantages already centred on their group's mean
+  # CISPO's ratio is to the generator's probabilities (PipelineRL / ScaleRL): pi_k := mu
+  c.objective.proximal = "behaviour"
   c.rl.filter_zero_variance = True
   c.model.dtype = "float32"  # logits are FP32 at the LM head in every config; this keeps the trunk FP32 too
   return c

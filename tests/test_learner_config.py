@@ -51,7 +51,7 @@ def test_base_config_is_built_from_the_settings_dataclasses():
   assert control.ControlSettings().drift_target == c.control.drift_target
   assert C.settings(c).control == control.ControlSettings()
   assert c.is_locked and not c.task.kwargs.is_locked and not c.objective.kwargs.is_locked
-  assert "max_filter_rate" not in c.diagnostics and set(c.objective) == {"recipe", "kwargs"}
+  assert "max_filter_rate" not in c.diagnostics and set(c.objective) == {"recipe", "kwargs", "proximal", "corrections"}
 
 
 def test_typed_settings_carry_the_derived_staleness_window():
@@ -119,7 +119,7 @@ def test_objective_kwargs_are_checked_against_the_recipe():
   c = C.base_config()
   c.objective.recipe = "dapo"
   c.objective.kwargs.eps = 0.2
-  assert "objective.kwargs.eps=0.2: not a parameter of recipe 'dapo' (it takes: eps_low, eps_high)" in errors_of(c)
+  assert "objective.kwargs.eps=0.2: not a parameter of recipe 'dapo' (it takes: eps_low, eps_high, dual_c)" in errors_of(c)
   with pytest.raises(ValueError, match=r"objective.kwargs.eps=0.2: not a parameter of recipe 'dapo'"):
     builders.build_objective(c)
   c.objective.kwargs = ml_collections.ConfigDict({"eps_high": -1.0})

@@ -495,7 +495,8 @@ def _surrogate_objective(mode, **kw):
     ("seq_mean_token_mean", {}, (2 + 4 + 2) / 3),
     ("seq_mean_token_sum", {}, (6 + 4 + 4) / 3),
     ("seq_sum_norm", {"constant": 4.0}, (6 / 4 + 4 / 4 + 4 / 4) / 3),
-    ("prompt_mean", {}, ((2 + 4) / 2 + 2) / 2),
+    # pooled per prompt: (6 + 4) / (3 + 1) tokens and 4 / 2, then the mean over prompts
+    ("prompt_mean", {}, ((6 + 4) / 4 + 4 / 2) / 2),
 ])
 def test_aggregation_modes_hand_values(mode, kw, expected):
   mask = np.array([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]], bool)

@@ -1,4 +1,4 @@
-"""The queue boundary (validation, concatenation), row-keyed chunking and segmented generation. No Ray."""
+"""The queue boundary (validation, row repair, concatenation), row-keyed chunking and segmented generation. No Ray."""
 
 import dataclasses
 
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import bridge, models
-from jaxrl_llm.rollout import (SCHEMA_VERSION, RolloutChunk, concat_chunks, generate_in_segments,
-                               validate_chunk)
+from jaxrl_llm.rollout import (SCHEMA_VERSION, ChunkReasons, RepairBook, RolloutChunk, WorkItem, concat_chunks,
+                               generate_in_segments, merge_rows, validate_chunk, validate_rows)
 from jaxrl_llm.sampling import JaxSampler, SamplerConfig
+from rollout_checks import assert_same_chunk
 
 CONFIG = models.tiny("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                      max_position_embeddings=64, pad_token_id=0, eos_token_id=1, batch_invariant=True)
@@ -69,6 +70,80 @@ def test_a_real_chunk_is_valid_and_each_defect_is_named(sampler):
   wrong = [list(r) for r in result.response_tokens]
   wrong[3] = wrong[3][:-1] + [63]
   assert "row 3: response_tokens disagree" in " ".join(check(make_chunk(result, response_tokens=wrong)))
+
+
+def test_row_problems_are_named_per_row_apart_from_whole_chunk_problems(sampler):
+  result = sampler.generate(PROMPTS, num_samples=2, rng=jax.random.PRNGKey(1))
+  traj = result.trajectory
+  ids, logp, versions = (np.array(a) for a in (traj.tokens_bt, traj.behaviour_logp_bt, traj.policy_version_bt))
+  ids[1, 0] = CONFIG.vocab_size + 5  # a prompt token: response_tokens still agree
+  logp[4][traj.response_mask_bt[4]] = np.nan
+  versions[6][traj.response_mask_bt[6]] = 9
+  bad = make_chunk(result, trajectory=traj.replace(tokens_bt=ids, behaviour_logp_bt=logp, policy_version_bt=versions))
+  rows = validate_rows(bad, latest_version=7, vocab_size=CONFIG.vocab_size)
+  assert rows == {1: ["token ids outside [0, 64)"],
+                  4: ["behaviour log-probabilities must be finite and <= 0 on response tokens"],
+                  6: ["policy version from the future: 9 > the learner's latest 7"]}
+  reasons = check(bad)
+  assert isinstance(reasons, ChunkReasons) and reasons.chunk == [] and reasons.rows == rows
+  assert reasons[0] == "row 1: token ids outside [0, 64)" and len(reasons) == 3
+  # a whole-chunk problem: the rows are not looked at
+  other = bridge.make_fingerprint(bridge.build_char_tokenizer("xyz"), CONFIG)
+  reasons = check(dataclasses.replace(bad, fingerprint=other.to_dict()))
+  assert reasons.rows == {} and len(reasons.chunk) == 1 and reasons.chunk[0].startswith("fingerprint:")
+  assert check(make_chunk(result)).rows == {} and validate_rows(make_chunk(result), latest_version=7,
+                                                                 vocab_size=CONFIG.vocab_size) == {}
+  with pytest.raises(ValueError, match="chunk-level problem.*2 response token lists for 8 rows"):
+    validate_rows(make_chunk(result, response_tokens=result.response_tokens[:2]), latest_version=7,
+                  vocab_size=CONFIG.vocab_size)
+
+
+def test_bad_rows_resampled_alone_merge_back_bit_for_bit(sampler):
+  """Rows re-sampled with their own keys and merged equal the chunk a good sampler gives (batch-invariant)."""
+  rng = np.asarray(jax.random.PRNGKey(5), np.uint32)
+  item = WorkItem(request_id=11, step=3, chunk=1, prompts=tuple(tuple(p) for p in PROMPTS[1:]), num_samples=2,
+                  rng=rng, first_row=2)
+
+  def answer(work):
+    out = sampler.generate([list(p) for p in work.prompts], num_samples=work.num_samples, rng=work.rng,
+                           row_ids=work.first_row + np.arange(len(work.prompts) * work.num_samples))
+    return make_chunk(out, request_id=work.request_id, step=work.step, chunk=work.chunk)
+
+  good = answer(item)
+  logp = np.array(good.trajectory.behaviour_logp_bt)
+  logp[[3, 4]] = np.where(good.trajectory.response_mask_bt[[3, 4]], np.nan, 0.0)
+  bad = dataclasses.replace(good, trajectory=good.trajectory.replace(behaviour_logp_bt=logp))
+  assert sorted(validate_rows(bad, latest_version=7, vocab_size=CONFIG.vocab_size)) == [3, 4]
+
+  book, ids = RepairBook(CONFIG.pad_token_id), iter(range(100, 200))
+  resample = book.hold(item, bad, [4, 3], lambda: next(ids))
+  assert [(w.request_id, w.prompts, w.num_samples, w.first_row) for w in resample] == [
+      (100, (item.prompts[1],), 1, 5), (101, (item.prompts[2],), 1, 6)]  # local row r: prompt r // n, row 2 + r
+  assert all(w.rng is rng and (w.step, w.chunk) == (3, 1) for w in resample)
+  assert book.origin(100) == (item, 3) and book.origin(item.request_id) is None and len(book) == 1
+  book.renamed(101, 102)  # a re-queued row keeps its place
+  assert book.put(100, answer(resample[0])) is None
+  merged = book.put(102, answer(dataclasses.replace(resample[1], request_id=102)))
+  assert len(book) == 0 and merged.request_id == 11 and (merged.step, merged.chunk) == (3, 1)
+  assert_same_chunk(merged, good)
+
+  # a wider re-sampled row right-pads the others (as concat_trajectories does)
+  row = dataclasses.replace(answer(resample[0]), request_id=100)
+  wide = row.trajectory.replace(**{n: np.pad(np.asarray(getattr(row.trajectory, n)), [(0, 0), (0, 3)],
+                                             constant_values=f)
+                                   for n, f in (("tokens_bt", CONFIG.pad_token_id), ("prompt_mask_bt", False),
+                                                ("response_mask_bt", False), ("behaviour_logp_bt", 0.0),
+                                                ("policy_version_bt", -1))})
+  widened = merge_rows(bad, {3: dataclasses.replace(row, trajectory=wide)}, CONFIG.pad_token_id)
+  width = good.trajectory.tokens_bt.shape[1]
+  assert widened.trajectory.tokens_bt.shape == (6, width + 3)
+  np.testing.assert_array_equal(widened.trajectory.tokens_bt[:, :width], good.trajectory.tokens_bt)
+  assert (widened.trajectory.tokens_bt[:, width:] == CONFIG.pad_token_id).all()
+  assert not widened.trajectory.response_mask_bt[:, width:].any()
+  assert validate_rows(widened, latest_version=7, vocab_size=CONFIG.vocab_size) == {4: [
+      "behaviour log-probabilities must be finite and <= 0 on response tokens"]}
+  with pytest.raises(ValueError, match="one-row chunks"):
+    merge_rows(bad, {3: good}, CONFIG.pad_token_id)
 
 
 def test_chunks_with_global_row_ids_equal_one_call(sampler):

@@ -25,9 +25,29 @@ combines the per-device partial sums over ``axis_name`` with
 :mod:`jaxrl_llm.reduce` and gives the bits of the unsharded computation
 (per-device block sizes a power of two).
 
-Degenerate statistics: where all selected entries are equal (or there are none),
-the spread is exactly zero and nothing is scaled: the output is exactly 0 when
-the mean is shifted, else the input. This avoids dividing rounding noise by eps.
+Degenerate statistics: where the selected entries are all equal up to float32
+rounding (or there are none), nothing is scaled: the output is exactly 0 when the
+mean is shifted, else the input. "Equal up to rounding" means that their range
+is at most ``DEGENERATE_RTOL`` = 2^-18 = 64 u (u = 2^-24, the float32 unit
+roundoff) times the largest magnitude of the masked *token* values they come
+from::
+
+  degenerate  <=>  max(v) - min(v) <= DEGENERATE_RTOL * max_t |x_t|   (or no entry)
+
+An exact ``max == min`` test is not enough at ``level="sequence"``: a sequence's
+value is the mean of its tokens, and the pairwise mean of three copies of
+``a = 0.4639781`` is ``a`` + 1 ulp in float32, so a constant advantage would have
+a 1-ulp spread, which ``1 / (std + eps)`` blows up to ~4.5e5. Two guards:
+
+* a row whose masked tokens are all equal (a sequence advantage broadcast over
+  its tokens) is valued by that token value, exactly, not by a rounded mean, so
+  equal sequence advantages give equal sequence values whatever the lengths;
+* the relative tolerance covers the remaining rounding: a masked mean of T
+  values by the pairwise tree is off by at most ``(ceil(log2 T) + 1) u max_t |x_t|``
+  (the sum's error bound plus the division), so the means of two rows of equal
+  exact mean differ by at most ``2 (ceil(log2 T) + 1) u max_t |x_t|``, within
+  the tolerance for any T <= 2^31. A spread that small carries no information
+  in float32, at either level.
 """
 
 from __future__ import annotations
@@ -43,6 +63,10 @@ from jaxrl_llm.advantages import checks
 
 MODES = ("none", "batch", "group", "global")
 LEVELS = ("token", "sequence")
+# Largest range, relative to the largest masked |token value|, that counts as "all
+# equal" (module docstring): 64 u (float32 unit roundoff u = 2^-24), above the
+# rounding of any masked mean of up to 2^31 tokens.
+DEGENERATE_RTOL = 2.0 ** -18
 
 
 class Moments(NamedTuple):
@@ -52,7 +76,8 @@ class Moments(NamedTuple):
     mean: float32 scalar (batch) or [G] (group).
     var: population variance, same shape.
     count: number of entries (tokens or sequences) the statistics cover.
-    degenerate: bool, True where all covered entries are equal or none exist.
+    degenerate: bool, True where all covered entries are equal up to rounding
+      (range <= ``DEGENERATE_RTOL`` * largest masked |token value|) or none exist.
   """
 
   mean: Array
@@ -72,13 +97,25 @@ def _as_bt(who, x, mask):
   return jnp.asarray(x, jnp.float32), jnp.asarray(mask).astype(bool)
 
 
-def _extremes_equal(x_bt, mask_bt, axis_name):
-  hi = jnp.max(jnp.where(mask_bt, x_bt, -jnp.inf))
-  lo = jnp.min(jnp.where(mask_bt, x_bt, jnp.inf))
+def _extremes(x, valid, axis=None, axis_name=None):
+  """(max, min) over the valid entries (-inf / +inf where there are none)."""
+  hi = jnp.max(jnp.where(valid, x, -jnp.inf), axis=axis)
+  lo = jnp.min(jnp.where(valid, x, jnp.inf), axis=axis)
   if axis_name is not None:
     hi = jax.lax.pmax(hi, axis_name)
     lo = jax.lax.pmin(lo, axis_name)
-  return hi == lo
+  return hi, lo
+
+
+def _negligible_spread(hi, lo, tok_hi, tok_lo):
+  """True where the range ``hi - lo`` is rounding noise at the scale of the token values.
+
+  ``tok_hi`` / ``tok_lo`` are the extremes of the masked token values the entries
+  come from (the entries themselves at token level). With no entry, ``hi - lo`` is
+  -inf and the result is True.
+  """
+  scale = jnp.maximum(jnp.abs(tok_hi), jnp.abs(tok_lo))
+  return (hi - lo) <= DEGENERATE_RTOL * scale
 
 
 def masked_moments(
@@ -107,22 +144,39 @@ def masked_moments(
   mean = reduce.token_mean(x, mask, axis_name)
   dev = x - mean
   var = reduce.token_mean(dev * dev, mask, axis_name)
-  degenerate = _extremes_equal(x, mask, axis_name) | (count == 0)
+  hi, lo = _extremes(x, mask, axis_name=axis_name)
+  degenerate = _negligible_spread(hi, lo, hi, lo) | (count == 0)
   return Moments(mean, var, count, degenerate)
 
 
-def _sequence_means(x_bt, mask_bt):
+def _sequence_values(x_bt, mask_bt):
+  """Per-row value (exact for a constant row, else the masked mean), validity, token extremes.
+
+  Returns:
+    (seq_b, valid_b, row_hi_b, row_lo_b): float32 [B], bool [B] (row has a masked
+    token) and the extremes of each row's masked tokens (-inf / +inf when empty).
+  """
   count_b = reduce.row_count(mask_bt)
-  return reduce.safe_div(reduce.masked_row_sum(x_bt, mask_bt), count_b), count_b > 0
+  mean_b = reduce.safe_div(reduce.masked_row_sum(x_bt, mask_bt), count_b)
+  row_hi, row_lo = _extremes(x_bt, mask_bt, axis=1)
+  # A broadcast sequence advantage is taken as it is, not as a rounded mean of copies.
+  seq_b = jnp.where(row_hi == row_lo, row_hi, mean_b)
+  return seq_b, count_b > 0, row_hi, row_lo
 
 
 def _batch_moments(x_bt, mask_bt, level, axis_name) -> Moments:
   if level == "token":
     return masked_moments(x_bt, mask_bt, axis_name=axis_name)
-  seq_b, valid_b = _sequence_means(x_bt, mask_bt)
+  seq_b, valid_b, row_hi, row_lo = _sequence_values(x_bt, mask_bt)
   mean, var = reduce.batch_moments(seq_b, valid_b, axis_name)
   count = reduce.batch_count(valid_b, axis_name)
-  degenerate = _extremes_equal(seq_b[:, None], valid_b[:, None], axis_name) | (count == 0)
+  hi, lo = _extremes(seq_b, valid_b, axis_name=axis_name)
+  tok_hi = jnp.max(row_hi)
+  tok_lo = jnp.min(row_lo)
+  if axis_name is not None:
+    tok_hi = jax.lax.pmax(tok_hi, axis_name)
+    tok_lo = jax.lax.pmin(tok_lo, axis_name)
+  degenerate = _negligible_spread(hi, lo, tok_hi, tok_lo) | (count == 0)
   return Moments(mean, var, count, degenerate)
 
 
@@ -136,14 +190,16 @@ def _group_moments(x_bt, mask_bt, level, n) -> Moments:
     dev = x_bt - jnp.repeat(mean_g, n)[:, None]
     var_g = reduce.safe_div(reduce.group_sum(reduce.masked_row_sum(dev * dev, mask_bt), n),
                             count_g)
-    x_gk, m_gk = x_bt.reshape(g, n * t), mask_bt.reshape(g, n * t)
+    hi, lo = _extremes(x_bt.reshape(g, n * t), mask_bt.reshape(g, n * t), axis=1)
+    tok_hi, tok_lo = hi, lo
   else:
-    seq_b, valid_b = _sequence_means(x_bt, mask_bt)
+    seq_b, valid_b, row_hi, row_lo = _sequence_values(x_bt, mask_bt)
     mean_g, var_g, count_g = reduce.group_moments(seq_b, n, valid_b)
-    x_gk, m_gk = seq_b.reshape(g, n), valid_b.reshape(g, n)
-  hi = jnp.max(jnp.where(m_gk, x_gk, -jnp.inf), axis=1)
-  lo = jnp.min(jnp.where(m_gk, x_gk, jnp.inf), axis=1)
-  return Moments(mean_g, var_g, count_g, (hi == lo) | (count_g == 0))
+    hi, lo = _extremes(seq_b.reshape(g, n), valid_b.reshape(g, n), axis=1)
+    tok_hi = jnp.max(row_hi.reshape(g, n), axis=1)
+    tok_lo = jnp.min(row_lo.reshape(g, n), axis=1)
+  degenerate = _negligible_spread(hi, lo, tok_hi, tok_lo) | (count_g == 0)
+  return Moments(mean_g, var_g, count_g, degenerate)
 
 
 def _finish(scaled, x_bt, mask_bt, degenerate, shift_mean):
@@ -169,8 +225,9 @@ def whiten(
   use ``shift_mean=False``: the scale is normalised but the mean reward is kept,
   so the sign/level of the reward still carries information (lm-human-preferences
   ``whiten(rewards, shift_mean=False)``); advantages use ``shift_mean=True``.
-  Entries outside the mask are 0. When all masked entries are equal the result
-  is exactly 0 (``shift_mean``) or the input.
+  Entries outside the mask are 0. When all masked entries are equal (up to
+  rounding: range <= ``DEGENERATE_RTOL`` * max |x|) the result is exactly 0
+  (``shift_mean``) or the input.
 
   Args:
     values: float [B, T] (token level) or [B] (per sequence).
@@ -221,8 +278,9 @@ def make_advantage_normalizer(
   with population statistics over masked tokens (``level="token"``: every
   response token counts once) or over sequences (``level="sequence"``: each row
   with at least one masked token counts once with the masked mean of its
-  advantages, which is its advantage when it was broadcast from a sequence
-  value). See the module docstring for the modes and the degenerate rule.
+  advantages; a row whose masked advantages are all equal, i.e. a sequence
+  value broadcast over its tokens, counts with that value exactly). See the
+  module docstring for the modes and the degenerate rule.
 
   Example::
 

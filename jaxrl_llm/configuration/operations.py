@@ -15,7 +15,7 @@ import dataclasses
 
 from jaxrl_llm.diagnostics import offpolicy
 from jaxrl_llm.settings import (BOOL, NONEMPTY_STRING, NONNEG, NONNEG_INT, NUMBER, POSITIVE, POSITIVE_INT, STRING,
-                                check, in_range, setting)
+                                check, in_range, require, setting)
 
 SAMPLER_KINDS = ("jax", "vllm")  # the sampler a rollout actor builds (jaxrl_llm.rollout.actor.SamplerSpec.kind)
 ROLLOUT_MODES = ("sync", "pipeline")  # where samples come from (the learner's process, or Ray sampler actors)
@@ -49,9 +49,21 @@ class RolloutSettings:
                                 "response", NONNEG_INT)
   address: str = setting("", "Ray cluster address; empty: start a local cluster on 127.0.0.1", STRING)
   actor_cpus: float = setting(1.0, "CPUs reserved by each Ray sampler actor", POSITIVE)
+  exact_versions: bool = setting(False, "'pipeline': sample RL step s with exactly the policy version k steps older "
+                                 "(base + max(0, s - k)), never a newer one: a fixed lag, so the run does not depend "
+                                 "on timing (each actor keeps k + 1 weight versions)", BOOL)
+  simulated_lag: int = setting(0, "experimental, 'sync' only: sample step t with the policy k versions old (a ring of "
+                               "k+1 parameter sets), for deterministic staleness studies without Ray; 0: off",
+                               NONNEG_INT)
 
   def __post_init__(self):
     check(self, "rollout")
+    require(self, "rollout", not self.exact_versions or self.mode == "pipeline", "exact_versions",
+            f"rollout.mode='pipeline', got {self.mode!r} (exact versions schedule the pipeline's Ray sampler "
+            "actors)")
+    require(self, "rollout", not self.exact_versions or self.segment_tokens == 0, "exact_versions",
+            f"rollout.segment_tokens=0, got {self.segment_tokens} (an exact-version response is sampled whole "
+            "by one version)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +79,11 @@ class DataSettings:
   rft_every: int = setting(0, "> 0: every this many RL steps, an SFT step on the best sample of each prompt (RFT)",
                            NONNEG_INT)
   rft_min_reward: float = setting(1.0, "RFT: a best sample needs at least this reward", NUMBER)
+  sft_mix: str = setting("", "demonstrations mixed into every RL batch with an SFT loss (InstructGPT's PPO-ptx): "
+                         "'task' (the task's reference answers) or a JSONL file of prompt/response objects; empty: off",
+                         STRING)
+  sft_mix_rows: int = setting(8, "demonstration rows per RL step (a multiple of rl.samples_per_prompt)", POSITIVE_INT)
+  sft_mix_coef: float = setting(0.1, "coefficient of the SFT loss on the demonstration tokens", NONNEG)
 
   def __post_init__(self):
     check(self, "data")
@@ -82,6 +99,10 @@ class DiagnosticsSettings:
                                     "update)", choices=CONSISTENCY_ACTIONS)
   max_abs_advantage: float = setting(offpolicy.DEFAULT_MAX_ABS_ADVANTAGE, "data alert above this largest |advantage|",
                                      POSITIVE)
+  stale_check_rows: int = setting(8, "steps without a lag-0 token: check this many stale rows against the learner's "
+                                  "parameters of their own version (kept for the lag window); 0: off", NONNEG_INT)
+  max_unchecked_steps: int = setting(5, "alert when the consistency check could not be computed this many steps in "
+                                     "a row", POSITIVE_INT)
 
   def __post_init__(self):
     check(self, "diagnostics")

@@ -20,6 +20,10 @@ from jaxrl_llm.settings import (BOOL, MAPPING, NONNEG, NONNEG_INT, POSITIVE, POS
 JOBS = ("rl", "reward_model")  # the job kinds a run config selects (config.job)
 DTYPES = ("float32", "bfloat16")  # parameter / activation dtypes of a model built from config.model
 
+PROXIMAL = ("learner", "behaviour")  # where the objective's pi_k comes from (objective.proximal)
+CORRECTION_LIST = Check(lambda v: isinstance(v, (tuple, list)) and all(
+    isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[0], str) and MAPPING(e[1]) for e in v),
+    "a sequence of (name, {argument: value}) pairs")
 RUN_NAME = Check(lambda v: isinstance(v, str) and bool(v) and "/" not in v, "a non-empty name without '/'")
 TASK_NAME = Check(lambda v: v in tasks.list_tasks(), "a registered task (jaxrl_llm.tasks.list_tasks())")
 BELOW_ONE = in_range(0, 1, high_open=True)
@@ -141,7 +145,12 @@ class AdvantageSettings:
 
   estimator: str = setting("grpo", "advantage estimator: group-relative (grpo, dr_grpo, rloo) or gae (needs "
                            "critic.enabled)", choices=advantages.ESTIMATORS)
-  normalization: str = setting("none", "advantage normalisation mode (docs/advantages.md)", choices=advantages.MODES)
+  normalization: str = setting("none", "advantage normalisation mode (docs/advantages.md); 'global' reduces over the "
+                               "learner mesh's batch axes", choices=advantages.MODES)
+  norm_level: str = setting("token", "statistics of the normalisation: every response token counts once ('token') "
+                            "or every sequence once ('sequence', ScaleRL)", choices=advantages.LEVELS)
+  norm_shift_mean: bool = setting(True, "subtract the mean before dividing by the std (False: scale only, ScaleRL)",
+                                  BOOL)
   gamma: float = setting(1.0, "GAE discount", UNIT)
   lam: float = setting(1.0, "GAE lambda", UNIT)
   reward_clip: float = setting(0.0, "clip rewards to [-reward_clip, reward_clip]; 0: no clipping", NONNEG)
@@ -161,6 +170,12 @@ class ObjectiveSettings:
   recipe: str = setting("grpo", "named objective (see Recipes below)", choices=tuple(objectives.RECIPES))
   kwargs: dict = setting({}, "keyword arguments of the recipe (see Recipes below; unset ones take the recipe's "
                          "default or the run's value)", MAPPING, free=True)
+  proximal: str = setting("learner", "pi_k of the objective: 'learner' (the learner's log-probabilities before the "
+                          "update, as decoupled PPO, GePPO and the IS corrections define it) or 'behaviour' (pi_k := "
+                          "mu, PPO clipped against the sampler)", choices=PROXIMAL)
+  corrections: tuple = setting((), "importance corrections / filters applied before the recipe, in order: "
+                               "(name, {argument: value}) pairs, names from objectives.CORRECTIONS (see Corrections "
+                               "below)", CORRECTION_LIST)
 
   def __post_init__(self):
     check(self, "objective")
@@ -214,6 +229,6 @@ class LearnerSettings:
 
 
 __all__ = [
-    "JOBS", "DTYPES", "RunSettings", "TaskSettings", "ModelSettings", "InitSettings", "SftSettings",
+    "JOBS", "DTYPES", "PROXIMAL", "RunSettings", "TaskSettings", "ModelSettings", "InitSettings", "SftSettings",
     "RLSettings", "AdvantageSettings", "ObjectiveSettings", "OptimizerSettings", "CriticSettings", "LearnerSettings",
 ]

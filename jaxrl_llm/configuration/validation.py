@@ -12,12 +12,16 @@ what was expected; all errors are reported together in one :class:`ConfigError`.
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
+import numpy as np
 
 from jaxrl_llm import tasks
 from jaxrl_llm.configuration.schema import (ConfigError, build_part, field_path, parts, plain, section_node,
                                             sections)
-from jaxrl_llm.learner.builders import kwarg_errors, objective_errors, recipe_call, unknown_kwargs
+from jaxrl_llm.learner.builders import (correction_errors, kwarg_errors, objective_errors, recipe_call,
+                                        unknown_kwargs)
 from jaxrl_llm.settings import config_fields, field_errors
 
 
@@ -25,7 +29,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks every field; raises one ConfigError listing all problems, else returns ``config``."""
   errors = declared_errors(config)
   if not errors:
-    errors = construction_errors(config) + objective_errors(config) + cross_field_errors(config)
+    errors = (construction_errors(config) + objective_errors(config) + correction_errors(config)
+              + cross_field_errors(config) + mixing_errors(config))
   if errors:
     raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
   return config
@@ -101,6 +106,10 @@ def cross_field_errors(config: ml_collections.ConfigDict) -> list[str]:
   if c.sampler.kind == "vllm" and not pipeline:
     errors.append(f"sampler.kind='vllm' with rollout.mode={c.rollout.mode!r}: expected rollout.mode='pipeline' "
                   "(vLLM engines run in Ray sampler actors)")
+  if c.rollout.exact_versions and c.sampler.kind != "jax":
+    errors.append(f"rollout.exact_versions=True with sampler.kind={c.sampler.kind!r}: expected sampler.kind='jax' "
+                  "(an actor swaps an older version's weights in for an exact-version item; vLLM engines only "
+                  "move to newer versions)")
   if pipeline and c.rl.updates_per_batch != 1:
     errors.append(f"rl.updates_per_batch={c.rl.updates_per_batch} with rollout.mode='pipeline': expected 1 "
                   "(the staleness bound counts one policy version per step)")
@@ -136,6 +145,33 @@ def cross_field_errors(config: ml_collections.ConfigDict) -> list[str]:
   return errors
 
 
+def mixing_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """``rollout.simulated_lag`` and ``data.sft_mix``: where they apply and how their rows fit the batch."""
+  c = config
+  errors = []
+  if c.rollout.simulated_lag and c.rollout.mode == "pipeline":
+    errors.append(f"rollout.simulated_lag={c.rollout.simulated_lag} with rollout.mode='pipeline': expected "
+                  "rollout.simulated_lag=0 (the pipeline's staleness is real: set rollout.max_lag) or "
+                  "rollout.mode='sync'")
+  if not c.data.sft_mix:
+    return errors
+  if c.data.sft_mix != "task" and not os.path.isfile(c.data.sft_mix):
+    errors.append(f"data.sft_mix={c.data.sft_mix!r}: expected 'task' or an existing JSONL file of "
+                  "{prompt, response} objects")
+  if c.critic.enabled:
+    errors.append("data.sft_mix with critic.enabled=True: expected a group estimator without a critic "
+                  "(demonstration rows have no returns for the value loss)")
+  n, rows = c.rl.samples_per_prompt, c.data.sft_mix_rows
+  unit = n * (c.learner.grad_atoms if c.model.batch_invariant else 1)
+  unit = int(np.lcm(unit, c.learner.micro_batches))
+  if rows % unit:
+    errors.append(f"data.sft_mix_rows={rows}: expected a multiple of {unit} (rl.samples_per_prompt="
+                  f"{n}, learner.micro_batches={c.learner.micro_batches}"
+                  + (f", learner.grad_atoms={c.learner.grad_atoms}" if c.model.batch_invariant else "")
+                  + "), so demonstration rows form whole groups")
+  return errors
+
+
 def atom_errors(config: ml_collections.ConfigDict, rl_batch: int) -> list[str]:
   """Batch-invariant mode: every learner batch must cut into learner.grad_atoms equal atoms."""
   atoms = config.learner.grad_atoms
@@ -153,4 +189,5 @@ def atom_errors(config: ml_collections.ConfigDict, rl_batch: int) -> list[str]:
   return errors
 
 
-__all__ = ["validate", "declared_errors", "construction_errors", "cross_field_errors", "atom_errors"]
+__all__ = ["validate", "declared_errors", "construction_errors", "cross_field_errors", "mixing_errors",
+           "atom_errors"]

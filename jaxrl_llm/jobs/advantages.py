@@ -22,15 +22,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm import advantages as A
 from jaxrl_llm.diagnostics import offpolicy
+from jaxrl_llm.learner.mesh import BATCH_AXES
 from jaxrl_llm.learner.rl_step import RLBatch, informative_rows
 from jaxrl_llm.types import Trajectory
 
-__all__ = ["AdvantageSpec", "AdvantageInputs", "AdvantageOutput", "compute_advantages", "gae_advantages"]
+__all__ = ["AdvantageSpec", "AdvantageInputs", "AdvantageOutput", "compute_advantages", "gae_advantages",
+           "normalize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,10 @@ class AdvantageSpec:
     filter_zero_variance: drop zero-variance groups (group estimators only).
     row_granule: the smallest learner batch (rows) after filtering.
     kl_shaper: the token-level KL penalty in the reward (GAE path), or None.
+    norm_level: "token" or "sequence" statistics of the normalisation.
+    norm_shift_mean: subtract the mean before scaling.
+    mesh: the learner mesh; "global" normalisation reduces over its batch axes
+      (data, fsdp) with the batch's rows split over them.
   """
 
   estimator: str
@@ -55,6 +63,9 @@ class AdvantageSpec:
   filter_zero_variance: bool = False
   row_granule: int = 1
   kl_shaper: Any = None
+  norm_level: str = "token"
+  norm_shift_mean: bool = True
+  mesh: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +113,35 @@ def gae_advantages(spec: AdvantageSpec, rewards_bt: Any, values_bt: Any, respons
   """GAE advantages (normalised as configured) and returns, float32 [B, T] each."""
   adv, returns = A.gae(rewards_bt, jnp.where(response_bt, values_bt, 0.0), response_bt, gamma=spec.gamma,
                        lam=spec.lam)
-  if spec.normalization != "none":
-    adv = A.make_advantage_normalizer(spec.normalization, group_size=spec.group_size)(adv, response_bt)
-  return adv, returns
+  return normalize(spec, adv, response_bt), returns
+
+
+def normalize(spec: AdvantageSpec, adv_bt: Any, mask_bt: Any) -> Any:
+  """``advantage.normalization`` of float32 [B, T] advantages over the mask (identity for "none").
+
+  "global" runs the normaliser inside ``shard_map`` with the rows split over
+  the mesh's batch axes, so its statistics are the ``psum`` over the shards
+  (the whole batch's, on any mesh; with one process it equals "batch").
+  """
+  if spec.normalization == "none":
+    return adv_bt
+  axes = ()
+  if spec.normalization == "global":
+    if spec.mesh is None:
+      raise ValueError("advantage.normalization='global' needs the learner mesh (AdvantageSpec.mesh)")
+    axes = tuple(a for a in BATCH_AXES if a in spec.mesh.axis_names)
+  norm = A.make_advantage_normalizer(spec.normalization, group_size=spec.group_size, level=spec.norm_level,
+                                     shift_mean=spec.norm_shift_mean, axis_name=axes or None)
+  if spec.normalization != "global":
+    return norm(adv_bt, mask_bt)
+  shards = int(np.prod([spec.mesh.shape[a] for a in axes]))
+  if adv_bt.shape[0] % shards:
+    raise ValueError(f"advantage.normalization='global': the batch's {adv_bt.shape[0]} rows do not split over the "
+                     f"mesh's {shards} batch shards (learner.mesh {dict(spec.mesh.shape)}); expected "
+                     "rl.prompts_per_step * rl.samples_per_prompt to be a multiple of it")
+  rows = P(axes)
+  return jax.jit(jax.shard_map(norm, mesh=spec.mesh, in_specs=(rows, rows), out_specs=rows))(
+      jnp.asarray(adv_bt, jnp.float32), jnp.asarray(mask_bt, bool))
 
 
 def compute_advantages(spec: AdvantageSpec, inputs: AdvantageInputs) -> AdvantageOutput:
@@ -136,8 +173,7 @@ def compute_advantages(spec: AdvantageSpec, inputs: AdvantageInputs) -> Advantag
     metrics["data/zero_variance_groups"] = float(jnp.mean(out.zero_variance_g.astype(jnp.float32)))
     if spec.filter_zero_variance:
       response = response & ~out.zero_variance_b[:, None]
-    if spec.normalization != "none":
-      adv = A.make_advantage_normalizer(spec.normalization, group_size=spec.group_size)(adv, response)
+    adv = normalize(spec, adv, response)
     if spec.filter_zero_variance:
       rows = informative_rows(np.asarray(out.zero_variance_b), spec.group_size, spec.row_granule)
       tokens, seq, response, behaviour, adv = (jnp.asarray(a)[rows] for a in (tokens, seq, response, behaviour, adv))

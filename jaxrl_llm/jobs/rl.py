@@ -31,12 +31,16 @@ from jaxrl_llm.diagnostics import control, guard as guard_lib, offpolicy, writer
 from jaxrl_llm.jobs import hooks as H
 from jaxrl_llm.jobs.advantages import AdvantageInputs, AdvantageSpec, compute_advantages, gae_advantages
 from jaxrl_llm.jobs.base import Job, place_on_mesh
+from jaxrl_llm.jobs.collect import SourceFactory
+from jaxrl_llm.jobs.demonstrations import DemonstrationStream, mix_demonstrations
+from jaxrl_llm.jobs.stale_check import StaleConsistencyCheck
 from jaxrl_llm.jobs.evaluation import PolicyEvaluator
 from jaxrl_llm.jobs.score import RewardStage
 from jaxrl_llm.jobs.update import PolicyUpdate, RunState
 from jaxrl_llm.learner import builders, mesh as mesh_lib, multihost, optim, rl_step, update
 from jaxrl_llm.learner.state import create_train_state
 from jaxrl_llm.rollout import sources
+from jaxrl_llm.rollout.lagged import ParamsWindow
 from jaxrl_llm.sampling import JaxSampler, SamplerConfig
 from jaxrl_llm.tasks import PromptSource, RewardRunner, build_eval_set, curation
 
@@ -119,7 +123,8 @@ class RLJob(Job):
     self.advantage_spec = AdvantageSpec(
         estimator=c.advantage.estimator, normalization=c.advantage.normalization, group_size=n,
         gamma=c.advantage.gamma, lam=c.advantage.lam, filter_zero_variance=c.rl.filter_zero_variance,
-        row_granule=self.row_granule(), kl_shaper=reward_model.build_kl_shaper(c))
+        row_granule=self.row_granule(), kl_shaper=reward_model.build_kl_shaper(c),
+        norm_level=c.advantage.norm_level, norm_shift_mean=c.advantage.norm_shift_mean, mesh=self.mesh)
     self.kl_coef: Optional[float] = None  # the KL penalty's current beta (adaptive)
     self.register_state("kl_reward", StateSlot(lambda: {"coef": self.kl_coef}, self._set_kl_coef))
     whole = (lambda f: update.replicated(f, self.mesh)) if self.grad_atoms else (lambda f: f)
@@ -128,19 +133,36 @@ class RLJob(Job):
     self.critic_values = (jax.jit(whole(lambda p, t, m: rl_step.shifted_values(p, self.critic_config, t, m)))
                           if self.critic_config is not None else None)
     self.thresholds = self.settings.consistency
+    # The parameters of the last versions of the lag window: the simulated lag samples from the oldest,
+    # the stale consistency check re-scores stale rows with their own version's.
+    self.versions = ParamsWindow(self.lag_window() + 1)
+    stale_check = StaleConsistencyCheck(self.versions, self.policy_logp, self.thresholds,
+                                        max_rows=c.diagnostics.stale_check_rows,
+                                        max_unchecked=c.diagnostics.max_unchecked_steps)
+    self.register_state("stale_check", stale_check)
+    self.demonstrations = None
+    if c.data.sft_mix:
+      self.demonstrations = DemonstrationStream(
+          c.data.sft_mix, self.task, c.seed + 2000, self.encode_prompt,
+          lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+      self.register_state("demonstrations", self.demonstrations)
     self.alerts = offpolicy.AlertReporter()
     self.register_state("alerts", StateSlot(self.alerts.state_dict, self.alerts.load_state_dict))
     self.on_close(self._flush_alerts)
     spec = rl_step.RLStepSpec(model=self.model_config, temperature=c.rl.temperature, group_size=n,
                               micro_batches=c.learner.micro_batches, use_ref=self.uses_ref,
                               use_entropy=builders.objective_uses_entropy(c), critic=self.critic_config,
-                              train_actor=True, grad_atoms=self.grad_atoms)
+                              train_actor=True, grad_atoms=self.grad_atoms, proximal=self.proximal_source())
     self.update = PolicyUpdate(
         spec, self.objective, self.optimizer, self.critic_optimizer, mesh=self.mesh,
         updates_per_batch=c.rl.updates_per_batch, logp=self.policy_logp,
         diagnostics=offpolicy.StepDiagnostics(self.thresholds, max_abs_advantage=c.diagnostics.max_abs_advantage),
         consistency_action=c.diagnostics.consistency_action, drift_every=c.diagnostics.drift_every,
-        track_nonfinite=self.track_nonfinite)
+        track_nonfinite=self.track_nonfinite, stale_check=stale_check)
+    self.sources = SourceFactory(c, model_config=self.model_config, sampler_config=self.sampler_config,
+                                 tokenizer=self.tokenizer, prompts=self.prompts, encode_prompt=self.encode_prompt,
+                                 score=self.score, versions=self.versions, run_dir=self.run_dir)
+    self.register_state("pipeline", self.sources)  # the pipeline's sampled, untrained work
     self.source: Any = None  # made when the RL phase starts (Ray actors only then)
     self.last_samples: Any = None  # (examples, response ids, rewards, finished) of the last batch, for RFT
     self._recompute = None  # GAE path: advantages with the updated critic (advantage drift)
@@ -163,6 +185,22 @@ class RLJob(Job):
       self.add_hook(self.guard_hook)
     self.add_hook(H.PolicyVersionHook())
     self.add_hook(H.EvaluationHook(c.eval.every, c.rl.steps))
+
+  def proximal_source(self) -> str:
+    """Where the step's pi_k comes from (``objective.proximal``; see ``rl_step.PROXIMAL_SOURCES``):
+    the update's own forward when it sees the whole batch once, else one forward before the first update."""
+    c = self.config
+    if c.objective.proximal == "behaviour":
+      return "behaviour"
+    whole_once = c.rl.updates_per_batch == 1 and c.learner.micro_batches == 1 and not self.grad_atoms
+    return "forward" if whole_once else "batch"
+
+  def lag_window(self) -> int:
+    """The most versions a batch's data may lag behind the learner (simulated or pipeline)."""
+    c = self.config
+    if c.rollout.simulated_lag:
+      return c.rollout.simulated_lag
+    return c.rollout.max_lag if c.rollout.mode == "pipeline" else 0
 
   def restorable_like(self, state: RunState) -> RunState:
     if self.uses_ref and state.ref_params is None:
@@ -188,29 +226,6 @@ class RLJob(Job):
   def _set_kl_coef(self, state: dict) -> None:
     self.kl_coef = state.get("coef")
 
-  def make_source(self) -> sources.RolloutSource:
-    """The RL phase's source of samples (``rollout.mode``, ``data.dynamic_sampling``)."""
-    c = self.config
-    n = c.rl.samples_per_prompt
-    if c.rollout.mode == "pipeline":
-      version = int(self.state.train.policy_version)
-      pool = sources.start_sampler_pool(
-          model_config=self.model_config, sampler_config=self.sampler_config, tokenizer=self.tokenizer,
-          params=self.state.train.params, version=version, num_samplers=c.rollout.num_samplers,
-          kind=c.sampler.kind, segment_tokens=c.rollout.segment_tokens, address=c.rollout.address,
-          actor_cpus=c.rollout.actor_cpus, export_dir=sources.hf_export_dir(self.run_dir))
-      lag = self.controller.state.max_lag if self.controller is not None else c.rollout.max_lag
-      return sources.PipelineSource(pool, self.prompts, self.encode_prompt, c.seed, start_step=self.progress.step,
-                                    base_version=version, group_size=n, max_lag=lag,
-                                    chunks_per_step=c.rollout.chunks_per_step or c.rollout.num_samplers,
-                                    pad_id=self.model_config.pad_token_id)
-    if c.data.dynamic_sampling:
-      return sources.DynamicSamplingSource(
-          self.sampler, self.prompts, self.encode_prompt, c.seed, score=self.score, groups=c.rl.prompts_per_step,
-          group_size=n, max_rounds=c.data.max_rounds, collector_factory=curation.InformativeGroupCollector,
-          pad_id=self.model_config.pad_token_id, prepare=multihost.local_copy)
-    return sources.SyncSource(self.sampler, self.prompts, self.encode_prompt, c.seed, prepare=multihost.local_copy)
-
   def row_granule(self) -> int:
     """Smallest learner batch: a multiple of the group size, micro-batches and data-parallel size
     (invariant mode: whole groups in each of the atoms, the same on every mesh)."""
@@ -235,6 +250,7 @@ class RLJob(Job):
     t1 = time.perf_counter()
     metrics.update(self.learn(batch, metrics))                     # 4. update (+ consistency check)
     t_publish = time.perf_counter()
+    self.versions.push(int(self.state.train.policy_version), self.params)
     source.publish(self.params, int(self.state.train.policy_version))  # 5. publish to the samplers
     t2 = time.perf_counter()
     self.prompt_state = source.prompt_state(t)
@@ -246,7 +262,10 @@ class RLJob(Job):
   def start_source(self) -> sources.RolloutSource:
     """The RL phase's source of samples, started on first use (Ray actors only then)."""
     if self.source is None:
-      self.source = self.make_source()
+      self.versions.reset(int(self.state.train.policy_version), self.state.train.params)
+      lag = self.controller.state.max_lag if self.controller is not None else self.config.rollout.max_lag
+      self.source = self.sources.make(self.state.train.params, int(self.state.train.policy_version),
+                                      self.progress.step, self.sampler, lag)
       self.on_close(self.source.close)
     return self.source
 
@@ -259,7 +278,7 @@ class RLJob(Job):
     out = compute_advantages(self.advantage_spec, self.advantage_inputs(traj, rewards))
     self.kl_coef = out.kl_coef if out.kl_coef is not None else self.kl_coef
     self._recompute = self.advantage_recomputer(out, out.batch)
-    batch = self.with_reference(out.batch)
+    batch = self.with_reference(self.with_demonstrations(out.batch))
     metrics = {**reward_metrics, **out.metrics, **self.sampling_metrics(rollout, traj), **rollout.metrics,
                "data/rows": float(batch.tokens_bt.shape[0])}
     return batch, metrics
@@ -290,6 +309,17 @@ class RLJob(Job):
     if not self.uses_ref or self.advantage_spec.kl_shaper is not None:
       return batch
     return batch.replace(ref_logp_bt=self.policy_logp(self.state.ref_params, batch.tokens_bt, batch.seq_mask_bt))
+
+  def with_demonstrations(self, batch: rl_step.RLBatch) -> rl_step.RLBatch:
+    """Appends ``data.sft_mix_rows`` demonstration rows (``data.sft_mix``; :mod:`jaxrl_llm.jobs.demonstrations`)."""
+    if self.demonstrations is None:
+      return batch
+    c = self.config
+    params = self.state.train.params
+    return mix_demonstrations(batch, self.demonstrations.next_pairs(c.data.sft_mix_rows),
+                              eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                              max_length=c.model.max_position_embeddings,
+                              logp=lambda t, m: self.policy_logp(params, t, m))
 
   def advantage_recomputer(self, out: Any, batch: rl_step.RLBatch) -> Optional[Callable]:
     """GAE path: ``state -> advantages`` with the updated critic (the advantage drift), else None."""
@@ -381,4 +411,3 @@ class RLJob(Job):
   def headline(self, summary: dict) -> str:
     return (f"held-out greedy accuracy {summary['warm_start_accuracy'] or 0:.3f} after the warm start -> "
             f"{summary['final_accuracy']:.3f} after {summary['rl_steps']} RL steps")
-

@@ -77,11 +77,21 @@ class PolicyUpdate:
     consistency_action: "warn" or "skip".
     drift_every: post-update forward every this many steps (0: never).
     track_nonfinite: called with each update's metrics (counts skipped non-finite updates).
+    stale_check: a :class:`jaxrl_llm.jobs.stale_check.StaleConsistencyCheck` for batches
+      without lag-0 tokens, or None.
+
+  pi_k: with ``spec.proximal == "batch"`` it is computed here by one forward
+  (``logp``) before the first update and held fixed in ``batch.prox_logp_bt``;
+  with "forward" it comes out of the first update's own forward pass. Either
+  way it is what the diagnostics compare with mu and with pi_{k+1}.
+  Demonstration rows (``batch.sft_mask_bt``) were not sampled: they are left
+  out of the consistency check and the off-policy diagnostics.
   """
 
   def __init__(self, spec: rl_step.RLStepSpec, objective: Any, optimizer: Any, critic_optimizer: Any, *, mesh: Any,
                updates_per_batch: int, diagnostics: Any, logp: Callable, consistency_action: str = "warn",
-               drift_every: int = 1, track_nonfinite: Callable[[dict], None] = lambda m: None):
+               drift_every: int = 1, track_nonfinite: Callable[[dict], None] = lambda m: None,
+               stale_check: Any = None):
     self.spec = spec
     self.objective, self.optimizer, self.critic_optimizer = objective, optimizer, critic_optimizer
     self.mesh = mesh
@@ -91,6 +101,7 @@ class PolicyUpdate:
     self.consistency_action = consistency_action
     self.drift_every = drift_every
     self.track_nonfinite = track_nonfinite
+    self.stale_check = stale_check
     self._steps: dict[bool, Callable] = {}
 
   def step_fn(self, train_actor: bool) -> Callable:
@@ -125,7 +136,11 @@ class PolicyUpdate:
     """
     step_fn = self.step_fn(train_actor)
     batch = self.shard(batch)
-    before, logp_k = state, None
+    logp_k = None
+    if self.spec.proximal == "batch":
+      logp_k = self.logp(state.train.params, batch.tokens_bt, batch.seq_mask_bt)
+      batch = batch.replace(prox_logp_bt=logp_k)
+    before = state
     for _ in range(self.updates_per_batch):
       train, objective, m = step_fn(state.train, state.objective, batch)
       logp = m.pop("logp_bt")
@@ -136,10 +151,16 @@ class PolicyUpdate:
     metrics = dict(m)
     logp_k = np.asarray(logp_k)
     mask = np.asarray(batch.response_mask_bt)
+    if batch.sft_mask_bt is not None:
+      mask = mask & ~np.asarray(batch.sft_mask_bt).any(axis=1, keepdims=True)
     behaviour = np.asarray(batch.behaviour_logp_bt)
-    out, alerts = self.diagnostics.before_update(logp_k, behaviour, mask, np.asarray(batch.lag_bt),
-                                                 np.asarray(batch.advantages_bt), filter_rate)
-    inconsistent = any(a.metric.startswith("consistency/") for a in alerts)
+    lag = np.asarray(batch.lag_bt)
+    out, alerts = self.diagnostics.before_update(logp_k, behaviour, mask, lag, np.asarray(batch.advantages_bt),
+                                                 filter_rate)
+    if self.stale_check is not None:
+      alerts += self.stale_check(out, batch, mask, lag, int(before.train.policy_version))
+    inconsistent = any(a.metric.startswith("consistency/") and a.metric != "consistency/unchecked_steps"
+                       for a in alerts)
     skipped = inconsistent and self.consistency_action == "skip" and train_actor
     if skipped:
       state = before

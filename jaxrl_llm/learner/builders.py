@@ -277,17 +277,68 @@ def _resolve(config: ml_collections.ConfigDict, errors: list[str]) -> RecipeCall
 
 
 def build_objective(config: ml_collections.ConfigDict) -> O.ObjectiveTransform:
-  """The objective of ``config.objective``: :func:`recipe_call` built, with controlled hyper-parameters
-  under ``control.enabled`` (the clip range; with ``control.kl_target``, the KL coefficient too).
+  """The objective of a run: ``chain(*corrections, [sft_loss], recipe)``.
+
+  * ``objective.corrections`` (:func:`build_corrections`) come first, so their
+    weights and filters reach the policy term that consumes them;
+  * ``sft_loss(data.sft_mix_coef)`` when ``data.sft_mix`` mixes demonstrations in;
+  * the recipe: :func:`recipe_call` built, with controlled hyper-parameters
+    under ``control.enabled`` (the clip range; with ``control.kl_target``, the
+    KL coefficient too). It ends with the aggregation.
 
   Raises:
     ValueError: naming ``objective.kwargs.<name>`` for a parameter the recipe
-      does not take (and listing what it takes).
+      does not take (and listing what it takes), or the ``objective.corrections``
+      entry that cannot be built.
   """
   call = recipe_call(config)
-  if config.control.enabled:
-    return call.build(**controlled_hypers(call, kl=config.control.kl_target > 0))
-  return call.build()
+  recipe = (call.build(**controlled_hypers(call, kl=config.control.kl_target > 0)) if config.control.enabled
+            else call.build())
+  parts = build_corrections(config)
+  if config.data.sft_mix:
+    parts.append(O.sft_loss(config.data.sft_mix_coef))
+  return O.chain(*parts, recipe) if parts else recipe
+
+
+# ------------------------------------------------------------------ corrections
+#
+# objective.corrections = ((name, {argument: value}), ...): transforms of
+# objectives.CORRECTIONS inserted, in order, before the recipe's policy term.
+
+NEEDS_PROX = ("decoupled_ppo", "geppo")  # recipes whose definition uses pi_k != mu
+
+
+def build_corrections(config: ml_collections.ConfigDict) -> list[O.ObjectiveTransform]:
+  """The transforms of ``objective.corrections``, in order.
+
+  Raises:
+    ValueError: naming the entry (``objective.corrections[i]``) and what was expected.
+  """
+  errors = correction_errors(config)
+  if errors:
+    raise ValueError("; ".join(errors))
+  return [O.CORRECTIONS[name](**dict(kwargs)) for name, kwargs in config.objective.corrections]
+
+
+def correction_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """Problems of ``objective.corrections`` entries and of what they and the recipe need from the run.
+
+  Each entry must name a transform of :data:`jaxrl_llm.objectives.CORRECTIONS` with
+  arguments it takes and values it accepts. Every correction and the recipes
+  of :data:`NEEDS_PROX` need the learner's pi_k (``objective.proximal='learner'``);
+  ``staleness_filter(max_lag=...)`` needs stale data (``rollout.mode='pipeline'``
+  with ``rollout.max_lag > 0``, or ``rollout.simulated_lag > 0``).
+  """
+  errors = []
+  stale = ((config.rollout.mode == "pipeline" and config.rollout.max_lag > 0) or config.rollout.simulated_lag > 0)
+  behaviour = config.objective.proximal == "behaviour"
+  if behaviour and config.objective.recipe in NEEDS_PROX:
+    errors.append(f"objective.recipe={config.objective.recipe!r} with objective.proximal='behaviour': expected "
+                  "objective.proximal='learner' (the recipe clips against the learner's pi_k and weights by "
+                  "pi_k / mu; with pi_k := mu it is plain PPO)")
+  for i, entry in enumerate(config.objective.corrections):
+    errors += _entry_errors(f"objective.corrections[{i}]", entry[0], dict(entry[1]), behaviour, stale, config)
+  return errors
 
 
 CLIP_HYPERS = ("eps", "eps_low", "eps_high")
@@ -332,6 +383,34 @@ def objective_uses_reference(config: ml_collections.ConfigDict) -> bool:
 def needs_reference_policy(config: ml_collections.ConfigDict) -> bool:
   """A frozen copy of the warm-started policy is kept: for a KL loss term or the KL penalty in the reward."""
   return objective_uses_reference(config) or bool(config.advantage.kl_reward_coef)
+
+
+def _entry_errors(where: str, name: str, kwargs: dict, behaviour: bool, stale: bool,
+                  config: ml_collections.ConfigDict) -> list[str]:
+  """Problems of one ``objective.corrections`` entry (see :func:`correction_errors`)."""
+  if name not in O.CORRECTIONS:
+    return [f"{where}: unknown correction {name!r}; expected one of {sorted(O.CORRECTIONS)}"]
+  fn = O.CORRECTIONS[name]
+  errors = [e.replace("objective.corrections.", f"{where}.") for e in
+            unknown_kwargs("objective.corrections", kwargs, fn, f"correction {name!r}")]
+  missing = [n for n, p in parameters(fn).items() if p.default is inspect.Parameter.empty and n not in kwargs]
+  if missing:
+    errors.append(f"{where}: correction {name!r} needs {', '.join(missing)}")
+  if errors:
+    return errors
+  try:
+    fn(**kwargs)
+  except (TypeError, ValueError) as e:
+    return [f"{where}={(name, kwargs)!r}: {e}"]
+  if behaviour:
+    errors.append(f"{where}: correction {name!r} reads rho_k = pi_k / mu, but objective.proximal='behaviour' "
+                  "sets pi_k := mu (rho_k = 1); expected objective.proximal='learner'")
+  if kwargs.get("max_lag") is not None and not stale:
+    errors.append(f"{where}: {name}(max_lag=...) filters on version lags, but this run's data is never stale "
+                  f"(rollout.mode={config.rollout.mode!r}, rollout.max_lag={config.rollout.max_lag}, "
+                  "rollout.simulated_lag=0); expected rollout.mode='pipeline' with rollout.max_lag > 0 or "
+                  "rollout.simulated_lag > 0")
+  return errors
 
 
 # ------------------------------------------------------------------ optimizers

@@ -15,6 +15,12 @@ Structure of one step (all inside one ``jit``)::
 The loss denominators do not depend on the parameters, so dividing each
 micro-batch's numerator by the whole batch's denominator makes the micro-batch
 losses add up to the full-batch loss (see :mod:`jaxrl_llm.objectives.loss`).
+
+pi_k (the objective's ``prox_logp_bt``) is set by ``RLStepSpec.proximal``
+(:data:`PROXIMAL_SOURCES`): with "forward" (one micro-batch, one update per
+batch) it is ``stop_gradient(logp_bt)`` of the forward above, and the
+normaliser is computed from the same partials; with "batch" it is the
+precomputed ``batch.prox_logp_bt``; with "behaviour" it is mu.
 """
 
 from __future__ import annotations
@@ -49,6 +55,13 @@ class RLBatch:
     lag_bt: int32 policy-version lag of each token (current - sampling version).
     old_values_bt: float32 critic values at sampling time (zeros without critic).
     returns_bt: float32 critic targets (zeros without critic).
+    prox_logp_bt: float32 log pi_k, the learner's log-probabilities before
+      the batch's first update, or None. Filled by
+      :class:`jaxrl_llm.jobs.update.PolicyUpdate` when the step's
+      ``proximal`` is "batch" (several updates per batch, micro-batches or
+      the batch-invariant path); unused otherwise.
+    sft_mask_bt: bool tokens that get the SFT loss (demonstration rows mixed
+      into the batch, ``data.sft_mix``), or None.
   """
 
   tokens_bt: jax.Array
@@ -60,6 +73,8 @@ class RLBatch:
   lag_bt: jax.Array
   old_values_bt: jax.Array
   returns_bt: jax.Array
+  prox_logp_bt: Optional[jax.Array] = None
+  sft_mask_bt: Optional[jax.Array] = None
 
 
 def informative_rows(zero_variance_b: np.ndarray, group_size: int, granule: int) -> np.ndarray:
@@ -111,6 +126,21 @@ def shifted_values(critic_params: Any, critic_config: ModelConfig, tokens_bt: ja
   return jnp.concatenate([jnp.zeros_like(v[:, :1]), v[:, :-1]], axis=1)
 
 
+PROXIMAL_SOURCES = ("forward", "batch", "behaviour")
+"""Where the step's pi_k (the objective's ``prox_logp_bt``) comes from:
+
+* "forward": the stop-gradient of the log-probabilities of the forward pass
+  the step runs anyway (one update per batch, one micro-batch: the parameters
+  of that forward *are* pi_k). No extra forward; the loss normaliser is then
+  computed from the same partials (it never depends on the parameters).
+* "batch": ``batch.prox_logp_bt``, computed once before the first update by a
+  separate forward and held fixed over ``rl.updates_per_batch`` updates and
+  across micro-batches or atoms.
+* "behaviour": pi_k := mu, the sampler's log-probabilities (plain PPO against
+  the behaviour policy; what the library did before pi_k was wired in).
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class RLStepSpec:
   """Static description of an RL step (hashable; one compilation per spec).
@@ -126,6 +156,8 @@ class RLStepSpec:
     train_actor: False during critic warm-up (actor frozen).
     grad_atoms: 0 for the default path; A > 0 for the batch-invariant path
       (``update.accumulate_atoms`` over A atoms; needs ``mesh`` in make_rl_step).
+    proximal: where the objective's pi_k (``prox_logp_bt``) comes from, see
+      :data:`PROXIMAL_SOURCES`.
   """
 
   model: ModelConfig
@@ -137,6 +169,14 @@ class RLStepSpec:
   critic: Optional[ModelConfig] = None
   train_actor: bool = True
   grad_atoms: int = 0
+  proximal: str = "forward"
+
+  def __post_init__(self):
+    if self.proximal not in PROXIMAL_SOURCES:
+      raise ValueError(f"RLStepSpec.proximal={self.proximal!r}: expected one of {PROXIMAL_SOURCES}")
+    if self.proximal == "forward" and (self.micro_batches > 1 or self.grad_atoms):
+      raise ValueError("RLStepSpec.proximal='forward' needs the whole batch in one forward pass (micro_batches=1, "
+                       "grad_atoms=0); use 'batch' with a precomputed prox_logp_bt")
 
 
 def _partials(spec: RLStepSpec, objective: O.ObjectiveTransform, params: Any, critic_params: Any,
@@ -156,9 +196,17 @@ def _partials(spec: RLStepSpec, objective: O.ObjectiveTransform, params: Any, cr
     values = (batch.old_values_bt if critic_params is None
               else shifted_values(critic_params, spec.critic, batch.tokens_bt, batch.seq_mask_bt))
     critic_fields = dict(values_bt=values, old_values_bt=batch.old_values_bt, returns_bt=batch.returns_bt)
+  prox = None
+  if spec.proximal == "forward":
+    prox = jax.lax.stop_gradient(logp_bt)
+  elif spec.proximal == "batch":
+    if batch.prox_logp_bt is None:
+      raise ValueError("RLStepSpec.proximal='batch' needs batch.prox_logp_bt (pi_k before the first update)")
+    prox = batch.prox_logp_bt
   partials, new_state = O.per_example_partials(
       objective, logp_bt, mask_bt=batch.response_mask_bt, advantages_bt=batch.advantages_bt,
-      behaviour_logp_bt=batch.behaviour_logp_bt, state=obj_state,
+      behaviour_logp_bt=batch.behaviour_logp_bt, state=obj_state, prox_logp_bt=prox,
+      sft_mask_bt=batch.sft_mask_bt,
       ref_logp_bt=batch.ref_logp_bt if spec.use_ref else None, lag_bt=batch.lag_bt,
       entropy_bt=entropy_bt, group_size=spec.group_size, **critic_fields)
   return partials, new_state, logp_bt
@@ -188,11 +236,19 @@ def make_rl_step(spec: RLStepSpec, objective: O.ObjectiveTransform, optimizer: o
   def loss_fn(trainable, mb, normaliser, obj_state):
     params, critic_params = trainable
     partials, new_state, logp_bt = _partials(spec, objective, params, critic_params, mb, obj_state)
+    if normaliser is None:  # proximal="forward": the whole batch is this forward; pi_k is a constant
+      normaliser = jax.lax.stop_gradient(O.loss_normaliser(partials))
     return O.micro_batch_loss(partials, normaliser), (partials, new_state, jax.lax.stop_gradient(logp_bt))
 
   def normaliser_fn(batch, obj_state):
-    # Denominators do not depend on the parameters: evaluate them once, forward-free.
-    partials0, _, _ = _partials(spec, objective, None, None, batch, obj_state, logp_bt=batch.behaviour_logp_bt)
+    # Denominators do not depend on the parameters: evaluate them once, forward-free
+    # (pi_k is data here: the precomputed prox_logp_bt, or mu).
+    if spec.proximal == "forward":
+      return None
+    if spec.proximal == "batch" and batch.prox_logp_bt is None:
+      raise ValueError("RLStepSpec.proximal='batch' needs batch.prox_logp_bt (pi_k before the first update)")
+    partials0, _, _ = _partials(spec, objective, None, None, batch, obj_state,
+                                logp_bt=batch.prox_logp_bt if spec.proximal == "batch" else batch.behaviour_logp_bt)
     return O.loss_normaliser(partials0)
 
   def gradients(state: TrainState, obj_state: Any, batch: RLBatch):

@@ -27,7 +27,7 @@ from jaxrl_llm.objectives.aggregation import AGGREGATIONS, aggregate, aggregatio
 from jaxrl_llm.objectives.base import (Controlled, ControlledState, CountState, EmptyState,
                                        ObjectiveTransform, chain, control_keys, get_control,
                                        scheduled, set_control, stateless)
-from jaxrl_llm.objectives.importance import (LEVELS, masked_is, segment_is, segment_sums,
+from jaxrl_llm.objectives.importance import (CORRECTIONS, LEVELS, masked_is, segment_is, segment_sums,
                                              staleness_filter, truncated_is)
 from jaxrl_llm.objectives.loss import (Partials, concat_partials, finalize,
                                        loss_normaliser, micro_batch_loss, objective_loss,
@@ -41,7 +41,7 @@ from jaxrl_llm.objectives.regularizers import (KL_ESTIMATORS, critic_warmup, ent
 from jaxrl_llm.objectives.stats import DEFAULT_QUANTILES, masked_quantiles
 
 __all__ = [
-    "AGGREGATIONS", "Controlled", "ControlledState", "CountState", "control_keys", "get_control",
+    "AGGREGATIONS", "CORRECTIONS", "Controlled", "ControlledState", "CountState", "control_keys", "get_control",
     "set_control", "DEFAULT_QUANTILES", "EmptyState", "KL_ESTIMATORS", "LEVELS",
     "ObjectiveTransform", "Partials", "RECIPES", "TokenRecord", "aggregate",
     "aggregation_partials", "chain", "cispo", "clipped_objective",

@@ -13,17 +13,21 @@ mode                        num_b                       den_b
 ``seq_mean_token_mean``     S_b / n_b                   v_b
 ``seq_mean_token_sum``      S_b                         v_b
 ``seq_sum_norm`` (C)        S_b / C                     v_b
-``prompt_mean`` (N)         (S_b / n_b) / n_g(b)        1 on the first row of
+``prompt_mean`` (N)         S_b / n_g(b)                1 on the first row of
                                                         each group with n_g > 0
 ==========================  ==========================  ====================
 
-``n_g`` is the number of valid samples of row b's prompt (contiguous groups
-of ``group_size`` rows). So ``token_mean`` is the mean over all tokens (DAPO),
-``seq_mean_token_mean`` the mean over sequences of each sequence's token mean
-(GRPO), ``seq_sum_norm`` the sum over a sequence's tokens divided by a
-constant C (e.g. the maximum response length) averaged over sequences
-(Dr.GRPO), and ``prompt_mean`` the mean over prompts of the mean over that
-prompt's samples.
+``n_g`` is the number of tokens of all samples of row b's prompt (contiguous
+groups of ``group_size`` rows): ``n_g = sum_{b' in g} n_b'``. So ``token_mean``
+is the mean over all tokens (DAPO), ``seq_mean_token_mean`` the mean over
+sequences of each sequence's token mean (GRPO), ``seq_sum_norm`` the sum over a
+sequence's tokens divided by a constant C (e.g. the maximum response length)
+averaged over sequences (Dr.GRPO), and ``prompt_mean`` the mean over prompts of
+the mean over all tokens of that prompt's samples (pooled, as ScaleRL's
+prompt-level aggregation and CISPO's ``1 / sum_i |o_i|``):
+``loss = mean_{g: n_g > 0} (sum_{b in g} S_b) / n_g``. A prompt with samples of 1
+and 3 tokens and per-token losses -1 and +1, +1, +1 has loss (-1 + 3) / 4 = 0.5,
+not the mean of the samples' means (0).
 
 ``den_b`` never depends on ``logp_bt`` (the mask is changed only by filters
 that look at data), so the normaliser ``sum_b den_b`` of a whole batch is known
@@ -76,9 +80,10 @@ def aggregation_partials(surrogate_bt, mask_bt, mode: str, *, constant: Optional
     if group_size is None:
       raise ValueError("aggregate('prompt_mean') needs group_size; pass group_size=N to "
                        "objective_loss / per_example_partials")
-    n_g = reduce.group_sum(valid_b, group_size)
-    n_gb = jnp.repeat(n_g, group_size)
-    num_b = reduce.safe_div(reduce.safe_div(s_b, n_b), n_gb)
+    # Tokens of the whole prompt (exact: a sum of integer counts), from the mask only,
+    # so the partials of a row depend on its group's mask and its own surrogate.
+    n_gb = jnp.repeat(reduce.group_sum(n_b, group_size), group_size)
+    num_b = reduce.safe_div(s_b, n_gb)
     first = (jnp.arange(s_b.shape[0]) % group_size) == 0
     return num_b, (first & (n_gb > 0)).astype(jnp.float32)
   check_choice("aggregation_partials", "mode", mode, AGGREGATIONS)
@@ -106,7 +111,10 @@ def aggregate(mode: str = "token_mean", *, constant: Optional[float] = None) -> 
     Token mean: Yu et al., DAPO, arXiv:2503.14476. Sequence mean of token
     means: Shao et al., DeepSeekMath (GRPO), arXiv:2402.03300. Constant
     normaliser: Liu et al., Understanding R1-Zero-Like Training (Dr.GRPO),
-    arXiv:2503.20783.
+    arXiv:2503.20783. Prompt-level mean over the pooled tokens of a prompt's
+    samples: Khatri et al., The Art of Scaling Reinforcement Learning Compute
+    for LLMs (ScaleRL, §3.2 loss aggregation), arXiv:2510.13786; CISPO's
+    ``1 / sum_i |o_i|`` normaliser, MiniMax-M1, arXiv:2506.13585.
   """
   check_choice("aggregate", "aggregation mode", mode, AGGREGATIONS)
   if mode == "seq_sum_norm":

@@ -265,3 +265,13 @@ def segment_is(segment_len: int, *, cap: Optional[float] = None) -> ObjectiveTra
     return add_metrics(record, who, stats)
 
   return stateless(fn)
+
+
+CORRECTIONS = {"truncated_is": truncated_is, "masked_is": masked_is, "segment_is": segment_is,
+               "staleness_filter": staleness_filter}
+"""The importance corrections and filters a run config names in ``objective.corrections``.
+
+Each reads rho_k = pi_k / mu (``prox_logp_bt`` against ``behaviour_logp_bt``),
+so each needs the learner's pi_k (``objective.proximal='learner'``);
+``staleness_filter(max_lag=...)`` also reads the tokens' version lags.
+"""

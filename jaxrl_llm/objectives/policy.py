@@ -112,7 +112,7 @@ def _ppo_family(name: str, eps_low: Hyper, eps_high: Hyper, dual_c: Optional[flo
 
 
 def ppo_clip(eps: Hyper = 0.2, *, eps_low: Optional[Hyper] = None,
-             eps_high: Optional[Hyper] = None,
+             eps_high: Optional[Hyper] = None, dual_c: Optional[float] = None,
              quantiles: Sequence[float] = S.DEFAULT_QUANTILES) -> ObjectiveTransform:
   """PPO clipped surrogate, symmetric or clip-higher.
 
@@ -132,6 +132,7 @@ def ppo_clip(eps: Hyper = 0.2, *, eps_low: Optional[Hyper] = None,
     eps: symmetric clip range (> 0), used for a bound not given separately.
     eps_low: lower range (> 0); ``1 - eps_low`` is the lower bound.
     eps_high: upper range (> 0); ``1 + eps_high`` is the upper bound.
+    dual_c: optional dual-clip constant c > 1 (see :func:`dual_clip`).
     quantiles: ratio quantiles to report.
 
   Each of eps / eps_low / eps_high may be a schedule ``count -> value``.
@@ -141,7 +142,7 @@ def ppo_clip(eps: Hyper = 0.2, *, eps_low: Optional[Hyper] = None,
     Yu et al., DAPO (clip-higher), arXiv:2503.14476.
   """
   lo, hi = _bounds("ppo_clip", eps, eps_low, eps_high)
-  return _ppo_family("ppo_clip", lo, hi, None, False, quantiles)
+  return _ppo_family("ppo_clip", lo, hi, _dual_c("ppo_clip", dual_c), False, quantiles)
 
 
 def dual_clip(c: float = 3.0, eps: Hyper = 0.2, *, eps_low: Optional[Hyper] = None,
@@ -165,14 +166,20 @@ def dual_clip(c: float = 3.0, eps: Hyper = 0.2, *, eps_low: Optional[Hyper] = No
     Ye et al., Mastering Complex Control in MOBA Games with Deep Reinforcement
     Learning (dual-clip PPO), arXiv:1912.09729.
   """
-  if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 1.0:
-    raise ValueError(f"dual_clip: c must be a number > 1; got {c!r}")
   lo, hi = _bounds("dual_clip", eps, eps_low, eps_high)
-  return _ppo_family("dual_clip", lo, hi, float(c), False, quantiles)
+  return _ppo_family("dual_clip", lo, hi, _dual_c("dual_clip", c, "c"), False, quantiles)
+
+
+def _dual_c(who: str, c: Optional[float], name: str = "dual_c") -> Optional[float]:
+  if c is None:
+    return None
+  if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 1.0:
+    raise ValueError(f"{who}: {name} must be a number > 1; got {c!r}")
+  return float(c)
 
 
 def decoupled(eps: Hyper = 0.2, *, eps_low: Optional[Hyper] = None,
-              eps_high: Optional[Hyper] = None,
+              eps_high: Optional[Hyper] = None, dual_c: Optional[float] = None,
               quantiles: Sequence[float] = S.DEFAULT_QUANTILES) -> ObjectiveTransform:
   """Decoupled PPO: clip against the proximal policy, correct with pi_k / mu.
 
@@ -190,14 +197,14 @@ def decoupled(eps: Hyper = 0.2, *, eps_low: Optional[Hyper] = None,
   ``prox_weight_mean/min/max`` and ``prox_weight_ess``.
 
   Args:
-    eps, eps_low, eps_high, quantiles: as :func:`ppo_clip`.
+    eps, eps_low, eps_high, dual_c, quantiles: as :func:`ppo_clip`.
 
   References:
     Hilton, Cobbe, Schulman, Batch size-invariance for policy optimization,
     arXiv:2110.00641 (decoupled PPO objective).
   """
   lo, hi = _bounds("decoupled", eps, eps_low, eps_high)
-  return _ppo_family("decoupled", lo, hi, None, True, quantiles)
+  return _ppo_family("decoupled", lo, hi, _dual_c("decoupled", dual_c), True, quantiles)
 
 
 def geppo_adaptive(eps: Hyper = 0.2, *,
@@ -214,10 +221,15 @@ def geppo_adaptive(eps: Hyper = 0.2, *,
   ratio is +-eps around where pi_k already is, in absolute (not relative)
   terms. On-policy (p = m) this is :func:`ppo_clip`. GePPO additionally adapts
   the learning rate from the update's total-variation drift; that belongs to
-  the optimiser, and this transform reports the estimate it needs,
-  ``tv_drift = 0.5 * mean |pi_theta / pi_k - 1|``. Other metrics: clip
-  fractions and ``centre_mean`` (of rho_k); the stats of rho_new = pi_theta / mu
-  are the objective's common ``ratio_*``.
+  the optimiser, and this transform reports the estimate it needs: the total
+  variation distance between pi_theta and pi_k estimated on the behaviour
+  policy's samples (importance-weighted by 1 / mu),
+  ``tv_drift = 0.5 * mean_t |pi_theta / mu - pi_k / mu| = 0.5 * mean_t |rho_new - rho_k|``
+  over the masked tokens (the estimate GePPO's adaptive learning rate uses). On-policy
+  (pi_k = mu) this is ``0.5 * mean |pi_theta / pi_k - 1|``; off-policy the
+  latter would weight each token by mu / pi_k and is not the TV distance. Other
+  metrics: clip fractions and ``centre_mean`` (of rho_k); the stats of
+  rho_new = pi_theta / mu are the objective's common ``ratio_*``.
 
   Args:
     eps: half-width of the window (> 0), or a schedule.
@@ -226,7 +238,8 @@ def geppo_adaptive(eps: Hyper = 0.2, *,
   References:
     Queeney, Paschalidis, Cassandras, Generalized Proximal Policy Optimization
     with Sample Reuse, arXiv:2111.00072 (the clip window
-    ``[rho_k - eps, rho_k + eps]`` around the behaviour ratio).
+    ``[rho_k - eps, rho_k + eps]`` around the behaviour ratio, and the TV
+    estimate ``0.5 E_mu |pi_theta / mu - pi_k / mu|`` of its adaptive step size).
   """
   check_hyper("geppo_adaptive", "eps", eps, gt=0.0)
   quantiles = S.check_quantiles("geppo_adaptive", quantiles)
@@ -239,7 +252,8 @@ def geppo_adaptive(eps: Hyper = 0.2, *,
                                           rho_k + eps)
     record = add_surrogate(record, -record.weights_bt * obj, name)
     stats = _clip_metrics(record, rho_new, low, high, quantiles, behaviour_ratio=True)
-    drift = 0.5 * jnp.abs(jnp.exp(sg(record.logp_bt) - record.prox_logp_bt) - 1.0)
+    # TV(pi_theta, pi_k) on samples of mu: 0.5 |pi_theta / mu - pi_k / mu| per token.
+    drift = 0.5 * jnp.abs(sg(rho_new) - rho_k)
     stats["tv_drift"] = S.token_mean(drift, record.mask_bt)
     stats["centre_mean"] = S.token_mean(rho_k, record.mask_bt)
     return add_metrics(record, name, stats)

@@ -17,6 +17,10 @@ recipe              chain                                                  arXiv
 ``decoupled_ppo``   decoupled(0.2), token mean                             2110.00641
 ``geppo``           geppo_adaptive(0.2), token mean                        2111.00072
 ==================  =====================================================  ==========
+
+The PPO-clip recipes (ppo, grpo, dapo, decoupled_ppo) take ``dual_c``: the dual
+clip of Ye et al. (arXiv:1912.09729) bounds the loss of tokens with A < 0 by
+``-c * A`` (``objective.kwargs.dual_c`` in a run config).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from jaxrl_llm.objectives.regularizers import KL_ESTIMATORS, entropy_bonus, kl_l
 
 def ppo(eps: Hyper = 0.2, *, value_coef: Optional[Hyper] = 0.5,
         value_clip: Optional[float] = 0.2, entropy_coef: Hyper = 0.0,
-        aggregation: str = "token_mean") -> ObjectiveTransform:
+        aggregation: str = "token_mean", dual_c: Optional[float] = None) -> ObjectiveTransform:
   """PPO with a critic: clipped surrogate, optional entropy bonus, clipped value loss.
 
   ``chain(ppo_clip(eps), [entropy_bonus(entropy_coef)], [value_loss(value_coef,
@@ -42,7 +46,7 @@ def ppo(eps: Hyper = 0.2, *, value_coef: Optional[Hyper] = 0.5,
   References:
     Schulman et al., arXiv:1707.06347; Ouyang et al., arXiv:2203.02155.
   """
-  parts = [policy.ppo_clip(eps)]
+  parts = [policy.ppo_clip(eps, dual_c=dual_c)]
   if callable(entropy_coef) or entropy_coef:
     parts.append(entropy_bonus(entropy_coef))
   if value_coef is not None:
@@ -51,7 +55,7 @@ def ppo(eps: Hyper = 0.2, *, value_coef: Optional[Hyper] = 0.5,
 
 
 def grpo(eps: Hyper = 0.2, *, kl_coef: Hyper = 0.04, kl_estimator: str = "k3",
-         aggregation: str = "seq_mean_token_mean") -> ObjectiveTransform:
+         aggregation: str = "seq_mean_token_mean", dual_c: Optional[float] = None) -> ObjectiveTransform:
   """GRPO: PPO clip on group-relative advantages, k3 KL loss, sequence-mean of token means.
 
   ``-(1/G) sum_i (1/|o_i|) sum_t [min(r A, clip(r) A) - beta * k3]``; needs
@@ -61,7 +65,7 @@ def grpo(eps: Hyper = 0.2, *, kl_coef: Hyper = 0.04, kl_estimator: str = "k3",
     Shao et al., DeepSeekMath, arXiv:2402.03300.
   """
   check_choice("grpo", "kl_estimator", kl_estimator, KL_ESTIMATORS)  # also when kl_coef=0 drops the term
-  parts = [policy.ppo_clip(eps)]
+  parts = [policy.ppo_clip(eps, dual_c=dual_c)]
   if callable(kl_coef) or kl_coef:
     parts.append(kl_loss(kl_coef, kl_estimator))
   return chain(*parts, aggregate(aggregation))
@@ -82,14 +86,14 @@ def dr_grpo(max_response_len: float, *, eps: Hyper = 0.2) -> ObjectiveTransform:
   return chain(policy.ppo_clip(eps), aggregate("seq_sum_norm", constant=max_response_len))
 
 
-def dapo(eps_low: Hyper = 0.2, eps_high: Hyper = 0.28) -> ObjectiveTransform:
+def dapo(eps_low: Hyper = 0.2, eps_high: Hyper = 0.28, *, dual_c: Optional[float] = None) -> ObjectiveTransform:
   """DAPO: clip-higher (0.2 / 0.28), no KL, token-level mean over the batch.
 
   References:
     Yu et al., DAPO: An Open-Source LLM Reinforcement Learning System at
     Scale, arXiv:2503.14476.
   """
-  return chain(policy.ppo_clip(eps_low=eps_low, eps_high=eps_high, eps=eps_low),
+  return chain(policy.ppo_clip(eps_low=eps_low, eps_high=eps_high, eps=eps_low, dual_c=dual_c),
                aggregate("token_mean"))
 
 
@@ -114,13 +118,14 @@ def gspo(eps_low: Hyper = 3e-4, eps_high: Hyper = 4e-4) -> ObjectiveTransform:
   return chain(policy.gspo(eps_low, eps_high), aggregate("seq_mean_token_mean"))
 
 
-def decoupled_ppo(eps: Hyper = 0.2, *, aggregation: str = "token_mean") -> ObjectiveTransform:
+def decoupled_ppo(eps: Hyper = 0.2, *, aggregation: str = "token_mean",
+                  dual_c: Optional[float] = None) -> ObjectiveTransform:
   """Decoupled PPO: trust region around pi_k, importance weight pi_k / mu.
 
   References:
     Hilton, Cobbe, Schulman, arXiv:2110.00641.
   """
-  return chain(policy.decoupled(eps), aggregate(aggregation))
+  return chain(policy.decoupled(eps, dual_c=dual_c), aggregate(aggregation))
 
 
 def geppo(eps: Hyper = 0.2, *, aggregation: str = "token_mean") -> ObjectiveTransform:

@@ -143,7 +143,12 @@ def value_loss(coef: Hyper = 0.5, clip_eps: float | None = 0.2) -> ObjectiveTran
 
   (``clip_eps=None``: ``coef * 0.5 * (V - R)^2``.) The max makes the loss
   pessimistic: where the clipped error is larger, the gradient is zero.
-  Metrics: ``loss_mean`` (per token, before coef), ``clip_frac``.
+  Metrics: ``loss_mean`` (per token, before coef), ``clip_frac``: the share of
+  tokens that are clipped, i.e. ``|V - V_old| > eps`` and the clipped error is
+  the larger. Inside the window ``V_clip`` equals V in exact arithmetic but
+  ``V_old + (V - V_old)`` can round 1 ulp away from V in float32, making the
+  clipped error larger by rounding alone (e.g. V = 0.028817441,
+  V_old = 0.20676579, R = -0.77121145, eps = 0.2); such a token is not clipped.
 
   Args:
     coef: coefficient (>= 0) or a schedule.
@@ -166,10 +171,12 @@ def value_loss(coef: Hyper = 0.5, clip_eps: float | None = 0.2) -> ObjectiveTran
       per_token, clipped = err, jnp.zeros_like(record.mask_bt)
     else:
       v_old = require(record, "old_values_bt", name)
-      v_clip = v_old + jnp.clip(v - v_old, -clip_eps, clip_eps)
+      delta = v - v_old
+      v_clip = v_old + jnp.clip(delta, -clip_eps, clip_eps)
       err_clip = (v_clip - ret) ** 2
       per_token = jnp.maximum(err, err_clip)
-      clipped = err_clip > err
+      # Outside the window only: inside it err_clip > err can be rounding (docstring).
+      clipped = (jnp.abs(delta) > clip_eps) & (err_clip > err)
     per_token = 0.5 * per_token
     record = add_surrogate(record, coef * per_token, name)
     return add_metrics(record, name, {

@@ -20,7 +20,19 @@ Versions and in-flight updates (PipelineRL, arXiv:2509.19128):
   version is ignored and counted;
 * ``WorkItem.min_version`` makes an actor wait until it holds at least that
   version before sampling, which is how a staleness bound of k = 0 reproduces
-  the synchronous loop exactly.
+  the synchronous loop exactly;
+* exact versions (``rollout.exact_versions``): an item with ``WorkItem.version
+  >= 0`` is sampled by exactly that version, whatever the actor holds when it
+  starts the item. The actor keeps the weights of the ``spec.keep_versions``
+  newest versions it has received (the pipeline's lag window, k + 1), waits
+  until the item's version is among them, swaps those weights in for the call
+  (under the generation lock) and puts the newest ones back afterwards. The
+  item is generated whole: staged updates never land inside it. Memory: the
+  kept versions are the host copies the weights arrive as (Ray's object
+  store, shared by the actors of a node), so a node holds up to k + 1
+  parameter sets instead of one. An actor started after a fault has only the
+  version it started with; an exact item of an older version fails there
+  with a message saying so (the pool retries it on another actor).
 """
 
 from __future__ import annotations
@@ -53,6 +65,9 @@ class SamplerSpec:
       the learner's accelerators).
     model_path: HF folder of the initial weights (vLLM loads the model from it;
       the pipeline exports the learner's weights there before starting actors).
+    keep_versions: weight versions each actor keeps for exact-version work items
+      (``rollout.exact_versions``: the lag window, ``rollout.max_lag + 1``); 1:
+      only the newest.
   """
 
   model_config: Any
@@ -62,6 +77,7 @@ class SamplerSpec:
   segment_tokens: int = 0
   platform: str = "cpu"
   model_path: str = ""
+  keep_versions: int = 1
 
   def build(self, params: Any, version: int):
     """Constructs the sampler (in the actor's process)."""
@@ -99,6 +115,9 @@ class SamplerWorker:
     self._staged: Optional[tuple[Any, int]] = None
     self._staged_cv = threading.Condition()
     self.ignored_updates = 0
+    # exact versions: version -> host weights, the newest spec.keep_versions received (guarded by _staged_cv)
+    self._kept: dict[int, Any] = {int(version): params}
+    self._first_version = int(version)
 
   # ---------------------------------------------------------------- weights
 
@@ -109,18 +128,66 @@ class SamplerWorker:
       The version now staged or held (monotone).
     """
     with self._staged_cv:
+      self._keep(params, int(version))
+      self._staged_cv.notify_all()  # exact-version items may be waiting for this version
       newest = self._staged[1] if self._staged else self.sampler.policy_version
       if int(version) <= newest:
         self.ignored_updates += 1
         return newest
       self._staged = (params, int(version))
-      self._staged_cv.notify_all()
     if self._lock.acquire(blocking=False):  # idle: apply now rather than at the next call
       try:
         self._apply_staged()
       finally:
         self._lock.release()
     return int(version)
+
+  def _keep(self, params: Any, version: int) -> None:
+    """Remembers ``version``'s weights (even when it arrives after a newer one); the caller holds
+    ``self._staged_cv``. Only the ``spec.keep_versions`` newest are kept."""
+    self._kept.setdefault(version, params)
+    for old in sorted(self._kept)[:max(0, len(self._kept) - max(1, self.spec.keep_versions))]:
+      del self._kept[old]
+
+  def kept_versions(self) -> list[int]:
+    """The versions whose weights this actor keeps for exact-version items (oldest first)."""
+    with self._staged_cv:
+      return sorted(self._kept)
+
+  def _wait_for_exact(self, version: int, timeout_s: float) -> Any:
+    """The weights of exactly ``version``, once received (they may still be on their way)."""
+    deadline = time.monotonic() + timeout_s
+    with self._staged_cv:
+      while version not in self._kept:
+        kept = sorted(self._kept)
+        full = len(kept) >= max(1, self.spec.keep_versions)
+        if version < self._first_version or (full and version < kept[0]):
+          raise RuntimeError(
+              f"sampler {self.sampler_id}: exact policy version {version} is not kept (kept: {kept}, started at "
+              f"version {self._first_version}, keep_versions={self.spec.keep_versions}); an actor started "
+              "after a fault cannot sample older versions exactly. Resume the run from its last checkpoint "
+              "(nothing sampled before it is lost) or set rollout.exact_versions=False")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          raise TimeoutError(f"sampler {self.sampler_id}: waited {timeout_s:.0f} s for the weights of policy "
+                             f"version {version}, keeping {kept}")
+        self._staged_cv.wait(min(remaining, 1.0))
+      return self._kept[version]
+
+  def _generate_exact(self, params: Any, version: int, prompts, **kwargs):
+    """Generates with ``version``'s weights swapped in; the caller holds ``self._lock``."""
+    if self.sampler.policy_version == version:
+      return self.sampler.generate(prompts, **kwargs)
+    self.sampler.update_weights(params, version)
+    try:
+      return self.sampler.generate(prompts, **kwargs)
+    finally:  # back to the newest weights received (what applying the staged ones would give)
+      with self._staged_cv:
+        newest = max(self._kept)
+        if self._staged is not None and self._staged[1] <= newest:
+          self._staged = None
+        newest_params = self._kept[newest]
+      self.sampler.update_weights(newest_params, newest)
 
   def _apply_staged(self) -> None:
     """Swaps in staged weights; the caller holds ``self._lock``."""
@@ -150,14 +217,21 @@ class SamplerWorker:
   # ---------------------------------------------------------------- work
 
   def generate(self, item: WorkItem, min_version: int = -1, wait_timeout_s: float = 600.0) -> RolloutChunk:
-    """Samples ``item`` (after holding at least ``min_version``) and returns a RolloutChunk."""
-    self._wait_for_version(min_version, wait_timeout_s)
+    """Samples ``item`` (after holding at least ``min_version``; with exactly ``item.version``'s
+    weights when that is >= 0) and returns a RolloutChunk."""
+    exact = int(getattr(item, "version", -1))
+    if exact >= 0:
+      params = self._wait_for_exact(exact, wait_timeout_s)
+    else:
+      self._wait_for_version(min_version, wait_timeout_s)
     t0 = time.perf_counter()
     rng = np.asarray(item.rng, np.uint32)  # a raw (legacy) jax.random key
     row_ids = item.first_row + np.arange(len(item.prompts) * item.num_samples)
 
     def segment(prompts, **kwargs):
       with self._lock:
+        if exact >= 0:  # every segment with the item's version: updates never land inside it
+          return self._generate_exact(params, exact, prompts, **kwargs)
         self._apply_staged()
         return self.sampler.generate(prompts, **kwargs)
 

@@ -3,8 +3,17 @@
 The pool owns N :class:`~jaxrl_llm.rollout.actor.SamplerWorker` actors. Work
 items wait in a FIFO and go to idle actors; :meth:`SamplerPool.poll` returns
 finished chunks. Every chunk is validated at this boundary
-(:func:`~jaxrl_llm.rollout.schema.validate_chunk`); a bad one is rejected,
-its reasons counted, and its work re-queued.
+(:func:`~jaxrl_llm.rollout.schema.validate_chunk`) and rejections are counted
+by reason (``rejected``, ``rejected_rows``):
+
+* a whole-chunk problem (fingerprint, schema, shapes, row counts) re-queues the
+  whole work item;
+* bad rows are dropped and each is re-sampled alone with its own key (a one-row
+  WorkItem; :mod:`jaxrl_llm.rollout.repair`); the chunk is held and delivered,
+  whole, under its original request id, once every row is good.
+
+A work item (or one row of it) rejected ``max_attempts`` times stops the run
+with the reasons.
 
 Faults: when an actor dies (``ray.kill``, SIGKILL, OOM) its in-flight work is
 counted as lost (``lost_items``) and re-queued under a new request id, the
@@ -33,7 +42,8 @@ import numpy as np
 
 from jaxrl_llm.rollout.actor import SamplerSpec, remote_actor_class
 from jaxrl_llm.rollout.cluster import ensure_ray
-from jaxrl_llm.rollout.schema import RolloutChunk, WorkItem
+from jaxrl_llm.rollout.repair import RepairBook
+from jaxrl_llm.rollout.schema import ChunkReasons, RolloutChunk, WorkItem
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -48,6 +58,7 @@ class PoolStats:
   restarts: int = 0
   duplicates: int = 0
   rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  rejected_rows: int = 0
   failures: int = 0
   publishes: int = 0
   publish_seconds: float = 0.0
@@ -57,6 +68,7 @@ class PoolStats:
     return {"pool/dispatched": self.dispatched, "pool/delivered": self.delivered,
             "pool/lost_items": self.lost_items, "pool/restarts": self.restarts,
             "pool/duplicates": self.duplicates, "pool/rejected": sum(self.rejected.values()),
+            "pool/rejected_rows": self.rejected_rows,
             "pool/failures": self.failures,
             "pool/publish_s": self.publish_seconds / max(self.publishes, 1),
             "pool/publish_mb": self.publish_bytes / max(self.publishes, 1) / 2**20}
@@ -78,11 +90,15 @@ class SamplerPool:
     params: initial policy weights (any pytree; copied to the host).
     version: their policy version.
     num_samplers: N >= 1.
-    validate: ``validate(chunk) -> list of reasons`` run on every delivered chunk.
+    validate: ``validate(chunk) -> list of reasons`` run on every delivered chunk;
+      a :class:`~jaxrl_llm.rollout.schema.ChunkReasons` (what ``validate_chunk``
+      returns) names bad rows apart, and only those are re-sampled; any other
+      non-empty list rejects the whole chunk.
     address: Ray cluster address ("" or None: start a local cluster on loopback).
     actor_cpus: CPUs reserved per actor (Ray scheduling).
     max_restarts: replacements per actor slot before the slot is given up.
-    max_attempts: tries of one work item whose sampler call raises.
+    max_attempts: tries of one work item whose sampler call raises or whose
+      answer is rejected, and of one row that is rejected.
   """
 
   def __init__(self, spec: SamplerSpec, params: Any, version: int, *, num_samplers: int,
@@ -108,6 +124,7 @@ class SamplerPool:
     self._attempts: collections.Counter = collections.Counter()
     self._request_ids = itertools.count(1)
     self._live_requests: set[int] = set()
+    self._repair = RepairBook(spec.model_config.pad_token_id)
 
   # ---------------------------------------------------------------- actors
 
@@ -152,7 +169,11 @@ class SamplerPool:
       self.stats.dispatched += 1
 
   def poll(self, timeout_s: float = 1.0) -> list[RolloutChunk]:
-    """Waits up to ``timeout_s`` for finished work; returns the valid chunks that arrived."""
+    """Waits up to ``timeout_s`` for finished work; returns the valid chunks that arrived.
+
+    Chunks are whole: a chunk with bad rows is returned (under its original
+    request id) only once each of those rows has been re-sampled validly.
+    """
     ray = self._ray
     self._dispatch()
     if not self._in_flight:
@@ -183,29 +204,69 @@ class SamplerPool:
       if chunk.request_id not in self._live_requests:
         self.stats.duplicates += 1
         continue
-      reasons = self._validate(chunk)
-      if reasons:
-        for reason in reasons:
-          self.stats.rejected[reason.split(":")[0]] += 1
-        log.warning("rejected a chunk from %s (step %d chunk %d): %s", chunk.sampler_id, chunk.step, chunk.chunk,
-                    "; ".join(reasons))
-        self._attempts[(item.step, item.chunk)] += 1
-        if self._attempts[(item.step, item.chunk)] >= self._max_attempts:
-          raise RuntimeError(f"step {item.step} chunk {item.chunk} was rejected {self._max_attempts} times: "
-                             + "; ".join(reasons))
-        self._requeue(item, min_version, lost=False)
-        continue
-      self._live_requests.discard(chunk.request_id)
-      self.stats.delivered += 1
-      out.append(chunk)
+      whole = self._accept(chunk, item, min_version)
+      if whole is not None:
+        self.stats.delivered += 1
+        out.append(whole)
     self._dispatch()
     return out
+
+  def _accept(self, chunk: RolloutChunk, item: WorkItem, min_version: int) -> Optional[RolloutChunk]:
+    """Validates the answer to ``item``: the whole chunk to deliver, or None (rejected, or rows missing)."""
+    origin = self._repair.origin(item.request_id)  # (original item, its row) when ``item`` re-samples one row
+    whole_reasons, row_reasons = self._check(chunk, item)
+    where = f"step {item.step} chunk {item.chunk}"
+    if whole_reasons:
+      self._count_rejected(whole_reasons, rows=len(item.prompts) * item.num_samples)
+      log.warning("rejected a chunk from %s (%s%s): %s", chunk.sampler_id, where,
+                  f" row {origin[1]}" if origin else "", "; ".join(whole_reasons))
+      self._count_attempt((item.step, item.chunk), f"{where} was rejected", whole_reasons)
+      self._requeue(item, min_version, lost=False)
+      return None
+    if row_reasons:
+      first = origin[1] if origin else 0  # a re-sample's row 0 is row ``first`` of the original item
+      log.warning("rejected %d row(s) from %s (%s), re-sampling them alone: %s", len(row_reasons), chunk.sampler_id,
+                  where, "; ".join(f"row {first + r}: {', '.join(v)}" for r, v in row_reasons.items()))
+      for r, reasons in row_reasons.items():
+        self._count_rejected(reasons, rows=1)
+        self._count_attempt((item.step, item.chunk, first + r), f"{where} row {first + r} was rejected", reasons)
+      if origin:
+        self._requeue(item, min_version, lost=False)
+      else:
+        self._live_requests.discard(item.request_id)
+        for row in self._repair.hold(item, chunk, row_reasons, self.new_request_id):
+          self.submit(row, min_version, front=True)
+      return None
+    self._live_requests.discard(item.request_id)
+    return self._repair.put(item.request_id, chunk) if origin else chunk
+
+  def _check(self, chunk: RolloutChunk, item: WorkItem) -> tuple[list[str], dict[int, list[str]]]:
+    """``(whole-chunk reasons, {local row: reasons})`` of the answer to ``item``."""
+    reasons = self._validate(chunk)
+    if not isinstance(reasons, ChunkReasons):  # a plain list: every reason is about the whole chunk
+      reasons = ChunkReasons(reasons)
+    expected = len(item.prompts) * item.num_samples
+    if not reasons.chunk and chunk.num_rows != expected:
+      return [f"{chunk.num_rows} rows: expected {expected} (prompts x samples)"], {}
+    return reasons.chunk, reasons.rows
+
+  def _count_rejected(self, reasons: list[str], rows: int) -> None:
+    for reason in reasons:
+      self.stats.rejected[reason.split(":")[0]] += 1
+    self.stats.rejected_rows += rows
+
+  def _count_attempt(self, key: tuple, what: str, reasons: list[str]) -> None:
+    self._attempts[key] += 1
+    if self._attempts[key] >= self._max_attempts:
+      raise RuntimeError(f"{what} {self._max_attempts} times: " + "; ".join(reasons))
 
   def _requeue(self, item: WorkItem, min_version: int, *, lost: bool) -> None:
     self._live_requests.discard(item.request_id)
     if lost:
       self.stats.lost_items += 1
-    self.submit(dataclasses.replace(item, request_id=self.new_request_id()), min_version, front=True)
+    again = dataclasses.replace(item, request_id=self.new_request_id())
+    self._repair.renamed(item.request_id, again.request_id)
+    self.submit(again, min_version, front=True)
 
   def _replace(self, slot: _Slot, error: Exception) -> None:
     """Replaces a dead actor (or gives its slot up after ``max_restarts``)."""

@@ -8,15 +8,23 @@ sampler made it and with which tokenizer/model fingerprint.
 
 :func:`validate_chunk` runs at the queue boundary, on the learner side, before
 a chunk can reach a batch. It returns the list of reasons a chunk is unusable
-(empty when it is fine); the pool rejects and counts such chunks. Checks:
+(empty when it is fine), split in two (:class:`ChunkReasons`):
 
-* schema version and fingerprint equal the learner's;
-* every [B, T] array has the same shape, B = G * n, dtypes as documented;
+whole-chunk problems (the pool rejects the chunk and re-samples all of it):
+
+* not a RolloutChunk; schema version or fingerprint differ from the learner's;
+* the [B, T] arrays do not share one shape, dtypes not as documented, B is
+  not G * n, or not B response token lists;
+
+per-row problems (:func:`validate_rows`; the pool drops just those rows and
+re-samples each alone with its own key, see :mod:`jaxrl_llm.rollout.repair`):
+
 * prompt then response, contiguous, no overlap; ids in ``[0, vocab)``;
 * behaviour log-probabilities finite and <= 0 on response tokens;
 * every response token carries a policy version in ``[0, latest]``: a version
   from the future (a sampler that saw weights the learner never published, or
-  a restarted learner) is rejected.
+  a restarted learner) is rejected;
+* ``response_tokens[r]`` equals the response tokens of row r of ``tokens_bt``.
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ class WorkItem:
     rng: raw ``jax.random`` key data (uint32 numpy) for this step.
     first_row: global row index of this chunk's first row within the step, so
       the per-row sampling keys match a single call over the whole step.
+    version: the exact policy version to sample with (``rollout.exact_versions``:
+      the actor uses that version's weights from the recent ones it keeps, even
+      when it already holds newer ones); -1: any version it holds, at least the
+      ``min_version`` the item was submitted with.
   """
 
   request_id: int
@@ -55,6 +67,7 @@ class WorkItem:
   num_samples: int
   rng: np.ndarray
   first_row: int = 0
+  version: int = -1
 
 
 @dataclasses.dataclass
@@ -91,9 +104,57 @@ class RolloutChunk:
     return int(v.min()) if v.size else -1
 
 
+class ChunkReasons(list):
+  """Why a chunk is unusable: the flat list of reasons, plus the same reasons kept apart.
+
+  It is a ``list[str]`` (empty: valid), so callers that only need the reasons
+  use it as one: whole-chunk reasons first, then ``"row {r}: {reason}"`` for
+  each bad row. The pool reads the two parts:
+
+  Attributes:
+    chunk: reasons that make the whole chunk unusable (type, schema version,
+      fingerprint, shapes, dtypes, row counts).
+    rows: ``{local row r: its reasons}`` for rows that alone are unusable
+      (empty when ``chunk`` is not: rows are then not checked).
+  """
+
+  def __init__(self, chunk: Sequence[str] = (), rows: Optional[dict[int, list[str]]] = None):
+    self.chunk = list(chunk)
+    self.rows = {int(r): list(v) for r, v in sorted((rows or {}).items()) if v}
+    super().__init__(self.chunk + [f"row {r}: {reason}" for r, reasons in self.rows.items() for reason in reasons])
+
+
+_FIELDS = ("tokens_bt", "prompt_mask_bt", "response_mask_bt", "behaviour_logp_bt", "policy_version_bt")
+_DTYPE_KINDS = {"tokens_bt": "iu", "policy_version_bt": "iu", "prompt_mask_bt": "b", "response_mask_bt": "b",
+                "behaviour_logp_bt": "f"}
+
+
+def _structure(chunk: Any, expected_rows: Optional[int]) -> tuple[list[str], dict[str, np.ndarray]]:
+  """Chunk-level shape/dtype/count problems of ``chunk`` and its [B, T] arrays (by field name)."""
+  if not isinstance(chunk, RolloutChunk):
+    return [f"expected a RolloutChunk, got {type(chunk).__name__}"], {}
+  try:
+    arrays = {name: np.asarray(getattr(chunk.trajectory, name)) for name in _FIELDS}
+  except AttributeError as e:
+    return [f"trajectory lacks a field: {e}"], {}
+  shapes = {name: a.shape for name, a in arrays.items()}
+  if len(set(shapes.values())) != 1 or len(shapes["tokens_bt"]) != 2:
+    return [f"trajectory arrays must share one [B, T] shape, got {shapes}"], arrays
+  reasons = []
+  rows = shapes["tokens_bt"][0]
+  if expected_rows is not None and rows != expected_rows:
+    reasons.append(f"{rows} rows: expected {expected_rows} (prompts x samples)")
+  if len(chunk.response_tokens) != rows:
+    reasons.append(f"{len(chunk.response_tokens)} response token lists for {rows} rows")
+  for name, kinds in _DTYPE_KINDS.items():
+    if arrays[name].dtype.kind not in kinds:
+      reasons.append(f"{name} has dtype {arrays[name].dtype}")
+  return reasons, arrays
+
+
 def validate_chunk(chunk: Any, *, fingerprint: Fingerprint, latest_version: int, vocab_size: int,
-                   expected_rows: Optional[int] = None) -> list[str]:
-  """Reasons ``chunk`` cannot be used (empty list: valid). See the module docstring.
+                   expected_rows: Optional[int] = None) -> ChunkReasons:
+  """Reasons ``chunk`` cannot be used (empty: valid). See the module docstring.
 
   Args:
     chunk: what came out of the queue (anything; a non-RolloutChunk is rejected).
@@ -101,9 +162,13 @@ def validate_chunk(chunk: Any, *, fingerprint: Fingerprint, latest_version: int,
     latest_version: the newest policy version the learner has published.
     vocab_size: V; token ids must be in ``[0, V)``.
     expected_rows: G * n of the WorkItem, when known.
+
+  Returns:
+    A :class:`ChunkReasons` (a list of str): whole-chunk reasons, or, when
+    there are none, the per-row reasons of :func:`validate_rows`.
   """
   if not isinstance(chunk, RolloutChunk):
-    return [f"expected a RolloutChunk, got {type(chunk).__name__}"]
+    return ChunkReasons([f"expected a RolloutChunk, got {type(chunk).__name__}"])
   reasons = []
   if chunk.schema_version != SCHEMA_VERSION:
     reasons.append(f"schema_version={chunk.schema_version}: expected {SCHEMA_VERSION}")
@@ -112,52 +177,61 @@ def validate_chunk(chunk: Any, *, fingerprint: Fingerprint, latest_version: int,
                        actual_name=f"sampler {chunk.sampler_id!r}")
   except (ValueError, TypeError) as e:  # FingerprintMismatchError is a ValueError
     reasons.append(f"fingerprint: {e}")
-  traj = chunk.trajectory
-  fields = ("tokens_bt", "prompt_mask_bt", "response_mask_bt", "behaviour_logp_bt", "policy_version_bt")
-  try:
-    arrays = {name: np.asarray(getattr(traj, name)) for name in fields}
-  except AttributeError as e:
-    return reasons + [f"trajectory lacks a field: {e}"]
-  shapes = {name: a.shape for name, a in arrays.items()}
-  if len(set(shapes.values())) != 1 or len(shapes["tokens_bt"]) != 2:
-    return reasons + [f"trajectory arrays must share one [B, T] shape, got {shapes}"]
-  rows = shapes["tokens_bt"][0]
-  if expected_rows is not None and rows != expected_rows:
-    reasons.append(f"{rows} rows: expected {expected_rows} (prompts x samples)")
-  if len(chunk.response_tokens) != rows:
-    reasons.append(f"{len(chunk.response_tokens)} response token lists for {rows} rows")
-  for name, kinds in (("tokens_bt", "iu"), ("policy_version_bt", "iu"), ("prompt_mask_bt", "b"),
-                      ("response_mask_bt", "b"), ("behaviour_logp_bt", "f")):
-    if arrays[name].dtype.kind not in kinds:
-      reasons.append(f"{name} has dtype {arrays[name].dtype}")
+  reasons += _structure(chunk, expected_rows)[0]
   if reasons:
-    return reasons
+    return ChunkReasons(reasons)
+  return ChunkReasons([], validate_rows(chunk, latest_version=latest_version, vocab_size=vocab_size))
+
+
+def validate_rows(chunk: RolloutChunk, *, latest_version: int, vocab_size: int) -> dict[int, list[str]]:
+  """Per-row reasons: ``{local row r: reasons}`` for each unusable row (no key: the row is fine).
+
+  Row ``r`` of ``chunk.trajectory`` ([B, T] arrays) and ``chunk.response_tokens[r]``
+  are checked on their own (see the module docstring for the checks), so a
+  bad row can be dropped and re-sampled alone.
+
+  Args:
+    chunk: a RolloutChunk whose arrays share one [B, T] shape with the
+      documented dtypes and B response token lists (the chunk-level checks of
+      :func:`validate_chunk`).
+    latest_version: the newest policy version the learner has published.
+    vocab_size: V; token ids must be in ``[0, V)``.
+
+  Raises:
+    ValueError: when ``chunk`` fails those chunk-level checks.
+  """
+  problems, arrays = _structure(chunk, None)
+  if problems:
+    raise ValueError("validate_rows: a chunk-level problem (see validate_chunk): " + "; ".join(problems))
   tokens, prompt, response = arrays["tokens_bt"], arrays["prompt_mask_bt"], arrays["response_mask_bt"]
-  if (prompt & response).any():
-    reasons.append("prompt and response masks overlap")
+  logp, versions = arrays["behaviour_logp_bt"], arrays["policy_version_bt"]
   used = prompt | response
-  if tokens[used].size and (tokens[used].min() < 0 or tokens[used].max() >= vocab_size):
-    reasons.append(f"token ids outside [0, {vocab_size})")
   # prompt from index 0, response right after it, both contiguous
   n_prompt, n_resp = prompt.sum(1), response.sum(1)
   index = np.arange(tokens.shape[1])[None]
-  layout_ok = (prompt == (index < n_prompt[:, None])).all() and (
-      response == ((index >= n_prompt[:, None]) & (index < (n_prompt + n_resp)[:, None]))).all()
-  if not layout_ok:
-    reasons.append("rows must hold the prompt from index 0 and the response right after it")
-  logp = arrays["behaviour_logp_bt"][response]
-  if logp.size and not (np.isfinite(logp).all() and (logp <= 0).all()):
-    reasons.append("behaviour log-probabilities must be finite and <= 0 on response tokens")
-  versions = arrays["policy_version_bt"][response]
-  if versions.size and versions.max() > latest_version:
-    reasons.append(f"policy version {int(versions.max())} is from the future (learner's latest is {latest_version})")
-  if versions.size and versions.min() < 0:
-    reasons.append("a response token has no policy version (< 0)")
-  for b in range(min(rows, len(chunk.response_tokens))):
+  layout_ok = (prompt == (index < n_prompt[:, None])).all(1) & (
+      response == ((index >= n_prompt[:, None]) & (index < (n_prompt + n_resp)[:, None]))).all(1)
+  with np.errstate(invalid="ignore"):
+    bad_logp = (response & ~(np.isfinite(logp) & (logp <= 0))).any(1)
+  lowest = np.iinfo(np.int64).min
+  newest = np.where(response, versions.astype(np.int64), lowest).max(1, initial=lowest)  # per row
+  checks = [
+      ((prompt & response).any(1), lambda b: "prompt and response masks overlap"),
+      ((used & ((tokens < 0) | (tokens >= vocab_size))).any(1), lambda b: f"token ids outside [0, {vocab_size})"),
+      (~layout_ok, lambda b: "rows must hold the prompt from index 0 and the response right after it"),
+      (bad_logp, lambda b: "behaviour log-probabilities must be finite and <= 0 on response tokens"),
+      (newest > latest_version,
+       lambda b: f"policy version from the future: {int(newest[b])} > the learner's latest {latest_version}"),
+      ((response & (versions < 0)).any(1), lambda b: "a response token has no policy version (< 0)"),
+  ]
+  out: dict[int, list[str]] = {}
+  for b in range(tokens.shape[0]):
+    reasons = [reason(b) for bad, reason in checks if bad[b]]
     if list(tokens[b][response[b]]) != list(chunk.response_tokens[b]):
-      reasons.append(f"row {b}: response_tokens disagree with tokens_bt")
-      break
-  return reasons
+      reasons.append("response_tokens disagree with tokens_bt")
+    if reasons:
+      out[b] = reasons
+  return out
 
 
 def concat_chunks(chunks: Sequence[RolloutChunk], pad_id: int) -> tuple[Trajectory, list[list[int]]]:

@@ -25,6 +25,7 @@ Dimensions: G prompts per step, n samples per prompt, B = G * n rows.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -36,6 +37,8 @@ from jaxrl_llm.types import Trajectory, concat_trajectories
 
 __all__ = ["Rollout", "RolloutSource", "SyncSource", "DynamicSamplingSource", "PipelineSource", "sampling_key",
            "start_sampler_pool"]
+
+log = logging.getLogger("jaxrl_llm")
 
 # ``score(examples, trajectory, response_tokens) -> (rewards float32 [B], metrics)``.
 ScoreFn = Callable[[Sequence[Any], Trajectory, Sequence[Sequence[int]]], tuple[np.ndarray, dict]]
@@ -183,13 +186,15 @@ class DynamicSamplingSource(SyncSource):
 def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any, params: Any, version: int,
                        num_samplers: int, kind: str = "jax", segment_tokens: int = 0, address: str = "",
                        actor_cpus: float = 1.0, export_dir: str = "",
-                       latest_version: Optional[Callable[[], int]] = None) -> Any:
+                       latest_version: Optional[Callable[[], int]] = None, keep_versions: int = 1) -> Any:
   """Starts a :class:`~jaxrl_llm.rollout.SamplerPool` whose chunks are validated against this run.
 
   Every chunk is checked (:func:`~jaxrl_llm.rollout.validate_chunk`) against the
   tokenizer/model fingerprint, the vocabulary and the newest published version.
   ``kind="vllm"`` engines start from a Hugging Face folder of ``params``
-  written to ``export_dir``.
+  written to ``export_dir``. ``keep_versions``: weight versions each actor
+  keeps for exact-version items (``rollout.max_lag + 1`` with
+  ``rollout.exact_versions``).
   """
   from jaxrl_llm import bridge, rollout  # Ray is imported only when a pool starts
 
@@ -199,7 +204,7 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
     model_path = str(bridge.export_hf_checkpoint(params, model_config, export_dir, tokenizer=tokenizer))
   spec = rollout.SamplerSpec(model_config=model_config, sampler_config=sampler_config,
                              fingerprint=fingerprint.to_dict(), kind=kind, segment_tokens=segment_tokens,
-                             model_path=model_path)
+                             model_path=model_path, keep_versions=keep_versions)
   vocab = model_config.vocab_size
   holder: dict[str, Any] = {}
   newest = latest_version or (lambda: holder["pool"].published_version)
@@ -216,11 +221,19 @@ class PipelineSource:
 
   Wraps a :class:`~jaxrl_llm.rollout.SamplerPool` and a
   :class:`~jaxrl_llm.rollout.PipelineFeeder` (see there for the staleness
-  rule). Prompts are drawn from the stream in data-step order; the stream
-  state checkpointed after step t is the one right after step t's prompts
-  (a plain stream), so a resumed run re-samples the steps that were in
-  flight. A curated stream (one that records outcomes) replays its
-  drawn-but-unrecorded batches itself, so its own state is checkpointed.
+  rule and exact versions). Prompts are drawn from the stream in data-step
+  order; the stream state checkpointed after step t (:meth:`prompt_state`) is
+  the one right after step t's prompts (a plain stream); a curated stream
+  (one that records outcomes) replays its drawn-but-unrecorded batches
+  itself, so its own state is checkpointed.
+
+  The work dispatched beyond step t is checkpointed too (:meth:`get_state`,
+  the job's ``pipeline`` slot): the feeder drains, and the state holds the
+  sampled chunks of steps t+1..t+k with their work items. :meth:`set_state`
+  on a resumed run's new source puts them back ready to train on, and draws
+  those steps' prompts from the restored stream again (checking that they
+  are the ones that were sampled), so the stream continues after the last
+  *dispatched* step and nothing is sampled twice.
 
   Args:
     pool: the started sampler pool (:func:`start_sampler_pool`).
@@ -229,10 +242,13 @@ class PipelineSource:
     base_version: the policy version before ``start_step``'s update.
     group_size, max_lag, chunks_per_step: the feeder's settings.
     pad_id: padding id of the concatenated chunks.
+    exact_versions: sample data step s with exactly version ``base + max(0, s - k)``
+      (the pool's actors must keep ``max_lag + 1`` versions).
   """
 
   def __init__(self, pool: Any, prompts: Any, encode: Callable[[str], list[int]], seed: int, *, start_step: int,
-               base_version: int, group_size: int, max_lag: int, chunks_per_step: int, pad_id: int):
+               base_version: int, group_size: int, max_lag: int, chunks_per_step: int, pad_id: int,
+               exact_versions: bool = False):
     from jaxrl_llm import rollout
 
     self.pool = pool
@@ -244,8 +260,10 @@ class PipelineSource:
     self._examples: dict[int, list] = {}
     self._stream_after: dict[int, dict] = {}
     self._replays = callable(getattr(prompts, "record", None))
+    self._resume_stream: Optional[dict] = None  # the last prompt_state(): the stream before the untrained steps
     self.feeder = rollout.PipelineFeeder(pool, self._step_prompts, num_samples=group_size, max_lag=max_lag,
-                                         base_version=base_version, chunks_per_step=chunks_per_step)
+                                         base_version=base_version, chunks_per_step=chunks_per_step,
+                                         exact_versions=exact_versions)
 
   @property
   def max_lag(self) -> int:
@@ -280,7 +298,67 @@ class PipelineSource:
 
   def prompt_state(self, step: int) -> dict:
     after = self._stream_after.pop(step - self.start_step)
-    return self.prompts.get_state() if self._replays else after
+    self._resume_stream = self.prompts.get_state() if self._replays else after
+    return self._resume_stream
+
+  def get_state(self) -> dict:
+    """The pipeline's whole state for a checkpoint taken after the last :meth:`prompt_state` step.
+
+    Drains the feeder first (a pipeline bubble; see
+    :mod:`jaxrl_llm.rollout.pipeline`). Keys: ``start_step`` and ``seed`` (data
+    step s is RL step ``start_step + s``), ``published_version``, ``stream`` (the
+    prompt stream before the first untrained step, as :meth:`prompt_state`
+    returned it), ``steps`` (the untrained data steps) and ``feeder``
+    (:meth:`PipelineFeeder.get_state`). JSON-serialisable.
+    """
+    feeder = self.feeder.get_state()
+    return {"start_step": self.start_step, "seed": self.seed, "published_version": self.pool.published_version,
+            "stream": self._resume_stream, "steps": self.feeder.pending_steps(), "feeder": feeder}
+
+  def set_state(self, state: dict) -> None:
+    """Restores :meth:`get_state`'s output into a new source, before its first :meth:`collect`.
+
+    The saved chunks become ready to train on (they are not sampled again),
+    the prompts of their steps are drawn again from the saved stream state
+    and checked against the sampled ones, and dispatching continues at the
+    saved next step with the saved base version and lag window, so data step
+    numbers and target versions are those of the uninterrupted run.
+
+    Raises:
+      ValueError: when the state does not continue this run (another seed, a
+        first untrained step other than ``start_step``) or the prompts drawn
+        again differ from the ones that were sampled.
+    """
+    feeder = state["feeder"]
+    start, steps, next_step = int(state["start_step"]), [int(s) for s in state["steps"]], int(feeder["next_step"])
+    first = steps[0] if steps else next_step
+    if int(state["seed"]) != self.seed:
+      raise ValueError(f"pipeline checkpoint state: seed {state['seed']}, this run has seed={self.seed}")
+    if start + first != self.start_step or steps != list(range(first, next_step)):
+      raise ValueError(f"pipeline checkpoint state: untrained RL steps {[start + s for s in steps]} (next to "
+                       f"dispatch: {start + next_step}) do not continue a run resuming at RL step {self.start_step}")
+    resumed_version = self.feeder.base_version
+    self.feeder.set_state(feeder)
+    expected = self.feeder.base_version + (self.start_step - start)
+    if resumed_version != expected:
+      log.warning("pipeline checkpoint state: the run resumes at policy version %d, the pipeline expected %d "
+                  "(one version per RL step); target versions follow the pipeline's count", resumed_version, expected)
+    self.start_step = start
+    if state.get("stream") is not None:
+      self.prompts.set_state(state["stream"])
+      self._resume_stream = state["stream"]
+    for s in steps:
+      prompts, rng = self._step_prompts(s)
+      items = self.feeder.step_items(s)
+      sampled = [list(p) for item in items for p in item.prompts]
+      if [list(p) for p in prompts] != sampled or any(not np.array_equal(item.rng, rng) for item in items):
+        raise ValueError(f"pipeline checkpoint state: the prompts of RL step {start + s} drawn again from the "
+                         "restored prompt stream are not the ones that were sampled (a curated stream with "
+                         "data.max_outstanding below rollout.max_lag + 1?)")
+    if steps:
+      print(f"Pipeline resumed: {self.feeder.restored} sampled chunks of RL steps {start + steps[0]}-"
+            f"{start + steps[-1]} restored from the checkpoint (not sampled again); dispatching from RL step "
+            f"{start + next_step}.")
 
   def close(self) -> None:
     self.pool.shutdown()
