@@ -51,7 +51,9 @@ def test_training_on_informative_rows_equals_the_masked_batch():
   objective = O.recipe("grpo", kl_coef=0.0)
   lr = 1e-3
   opt = optim.make_optimizer(lr)
-  step = rl_step.make_rl_step(rl_step.RLStepSpec(model=CONFIG, temperature=1.0, group_size=N), objective, opt)
+  # pi_k := mu: the ratios pi_theta / mu differ from 1 (with pi_k from the forward, r = 1 and the loss is ~0)
+  spec = rl_step.RLStepSpec(model=CONFIG, temperature=1.0, group_size=N, proximal="behaviour")
+  step = rl_step.make_rl_step(spec, objective, opt)
   state = create_train_state(params, opt, 0)
   s_full, _, m_full = step(state, objective.init(None), full)
   s_small, _, m_small = step(state, objective.init(None), small)
