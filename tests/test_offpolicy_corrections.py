@@ -85,7 +85,7 @@ CONFIG = models.tiny("qwen2", vocab_size=24, hidden_size=32, intermediate_size=6
                      max_position_embeddings=16)
 
 
-def _stale_batch(params, lag: int, shift: float) -> RLBatch:
+def _stale_batch(params, lag: int, shift: float, mixed: bool = False) -> RLBatch:
   rng = np.random.default_rng(0)
   b, t = 4, 8
   tokens = rng.integers(3, 24, (b, t)).astype(np.int32)
@@ -93,8 +93,10 @@ def _stale_batch(params, lag: int, shift: float) -> RLBatch:
   response = np.arange(t)[None].repeat(b, 0) >= 3
   behaviour = np.asarray(models.sequence_logprobs(params, CONFIG, tokens, seq, 1.0)) + shift
   zeros = np.zeros((b, t), np.float32)
-  return RLBatch(tokens, seq, response, np.where(response, behaviour, 0.0), zeros, zeros,
-                 np.where(response, lag, 0), zeros, zeros)
+  lags = np.where(response, lag, 0)
+  if mixed:  # weights changed mid-response (segmented generation): no single version to re-score with
+    lags[:, -1] = lag - 1
+  return RLBatch(tokens, seq, response, np.where(response, behaviour, 0.0), zeros, zeros, lags, zeros, zeros)
 
 
 def test_stale_check_catches_a_broken_sampler_without_lag0_tokens_and_alerts_when_it_cannot_run():
@@ -119,10 +121,13 @@ def test_stale_check_catches_a_broken_sampler_without_lag0_tokens_and_alerts_whe
   broken, alerts = run(_stale_batch(old, lag=2, shift=-0.3))  # a sampler off by 0.3 nats per token
   assert broken["consistency/abs_log_ratio_mean"] == pytest.approx(0.3, rel=1e-4)
   assert "consistency_abs_log_ratio_mean" in alerts
-  for steps in (1, 2, 3):  # version 3 is not kept: nothing to re-score
-    missing, alerts = run(_stale_batch(old, lag=4, shift=0.0))
+  for steps in (1, 2, 3):  # every row mixes versions 5 and 6: nothing to re-score
+    missing, alerts = run(_stale_batch(old, lag=2, shift=0.0, mixed=True))
     assert np.isnan(missing["consistency/source"]) and missing["consistency/unchecked_steps"] == steps
     assert ("consistency_unchecked_steps" in alerts) == (steps >= 3)
+  # data sampled before the window began (version 3: restored by a resume) is not a gap
+  before, alerts = run(_stale_batch(old, lag=4, shift=0.0))
+  assert np.isnan(before["consistency/source"]) and before["consistency/unchecked_steps"] == 3
   run(_stale_batch(old, lag=2, shift=0.0))
   assert check.get_state() == {"unchecked": 0}
 

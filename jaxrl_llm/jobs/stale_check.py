@@ -18,7 +18,9 @@ alerts are computed on them (``consistency/source = 1``; lag-0 tokens give
 resume, rows mixing versions from in-flight weight updates, the check
 disabled) the step counts as unchecked; ``consistency/unchecked_steps`` counts
 such steps in a row and raises the alert ``consistency_unchecked_steps`` when
-it reaches ``diagnostics.max_unchecked_steps``.
+it reaches ``diagnostics.max_unchecked_steps``. Data sampled before the window
+began (the steps a pipeline checkpoint restores, sampled by versions the
+resumed learner no longer has) is not checkable and not counted as a gap.
 """
 
 from __future__ import annotations
@@ -97,13 +99,23 @@ class StaleConsistencyCheck:
         metrics.update(stats)
         alerts += offpolicy.consistency_alerts(stats, self.thresholds)
         source = 1.0
-    self.unchecked = 0 if source is not None else self.unchecked + 1
+    if source is not None:
+      self.unchecked = 0
+    elif not self._before_window(lag_bt, mask_bt, learner_version):
+      self.unchecked += 1
+    # else: every row was sampled before the window began (restored from a checkpoint): not a gap
     metrics["consistency/source"] = float("nan") if source is None else source
     metrics["consistency/unchecked_steps"] = float(self.unchecked)
     alerts += offpolicy.alert_if(metrics, "consistency/unchecked_steps", self.max_unchecked - 1, ">",
                                  "no lag-0 token and no kept version to re-score stale rows: raise "
                                  "diagnostics.stale_check_rows, or lower rollout.max_lag")
     return alerts
+
+  def _before_window(self, lag_bt: np.ndarray, mask_bt: np.ndarray, learner_version: int) -> bool:
+    """Every response token was sampled by a version older than the oldest kept one (data from before a resume)."""
+    if self.window is None or not self.window.versions or not mask_bt.any():
+      return False
+    return bool((learner_version - lag_bt[mask_bt]).max() < min(self.window.versions))
 
   def _rescore(self, batch: Any, rows: dict[int, np.ndarray], mask_bt: np.ndarray):
     tokens, seq = np.asarray(batch.tokens_bt), np.asarray(batch.seq_mask_bt)
