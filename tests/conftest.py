@@ -67,6 +67,7 @@ XDIST_GROUPS = {
 # while the other worker idles.
 LONG_FIRST = ("test_learner_e2e.py", "test_determinism.py", "test_multihost.py", "test_experiments.py",
               "test_offpolicy_loop.py", "test_rollout_pool.py", "test_jobs.py", "test_learner_run.py",
+              "test_offpolicy_corrections.py",
               "test_reward_model_train.py", "test_objectives_invariance.py")
 
 
