@@ -62,6 +62,9 @@ XDIST_GROUPS = {
     "test_determinism.py": "runs", "test_multihost.py": "runs", "test_experiments.py": "runs",
     "test_rollout_pool.py": "ray", "test_offpolicy_loop.py": "ray",
 }
+# Single long tests that get a group of their own, so that a free worker can take them while the
+# rest of their file's group runs on the other one.
+OWN_GROUP = {"test_pipeline_sigkill_then_resume_matches_an_uninterrupted_run": "pipeline_resume"}
 # The longest files start first (a worker takes the next group when it is free; with
 # --no-loadscope-reorder the groups keep this order), so that none of them is left for the end
 # while the other worker idles.
@@ -75,6 +78,7 @@ def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
     name = item.path.name
-    item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(name, name)))
+    group = OWN_GROUP.get(item.originalname) or XDIST_GROUPS.get(name, name)
+    item.add_marker(pytest.mark.xdist_group(group))
   rank = {name: i for i, name in enumerate(LONG_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: file order kept otherwise
