@@ -25,7 +25,6 @@ studies, where that matters little; it is documented as experimental.
 from __future__ import annotations
 
 import collections
-import time
 from typing import Any, Callable, Optional
 
 __all__ = ["ParamsWindow", "LaggedSource"]
@@ -86,7 +85,8 @@ class LaggedSource:
     inner: a source that samples with ``sampler`` (:class:`~jaxrl_llm.rollout.sources.SyncSource`
       or its dynamic-sampling variant).
     sampler: the in-process sampler ``inner`` uses.
-    window: a :class:`ParamsWindow` of size k + 1 holding at least the current version.
+    window: a :class:`ParamsWindow` of size k + 1 holding at least the current version; its owner
+      pushes every new version.
     prepare: applied to the learner's params before the sampler takes them.
   """
 
@@ -104,10 +104,10 @@ class LaggedSource:
     return self.inner.collect(step)
 
   def publish(self, params: Any, version: int) -> float:
-    """Records the new version; the sampler takes it once it is the window's oldest."""
-    t0 = time.perf_counter()
-    self.window.push(version, params)
-    return time.perf_counter() - t0
+    """Nothing to send: the owner of the window pushes each new version into it (the job does, after
+    every update); the sampler takes a version once it is the window's oldest."""
+    del params, version
+    return 0.0
 
   def prompt_state(self, step: int) -> dict:
     return self.inner.prompt_state(step)
