@@ -51,6 +51,76 @@ def timing_stats(seconds: Sequence[float]) -> dict[str, float]:
           "min_s": min(seconds), "max_s": max(seconds), "n": len(seconds)}
 
 
+def _proc_stat_fields(pid: int) -> Optional[list[str]]:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      text = f.read()
+  except OSError:
+    return None
+  return text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+
+
+def own_tree_jiffies(root_pid: Optional[int] = None) -> int:
+  """CPU time (clock ticks) of ``root_pid`` and every live descendant, counting the reaped children
+  of each (cutime/cstime): the benchmark's own work, Ray workers and reward workers included."""
+  root_pid = root_pid or os.getpid()
+  parent, times = {}, {}
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      fields = _proc_stat_fields(int(name))
+      if fields is not None:
+        parent[int(name)] = int(fields[1])
+        times[int(name)] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+  total = 0
+  for pid, ticks in times.items():
+    p = pid
+    while p not in (0, 1) and p != root_pid:
+      p = parent.get(p, 0)
+    if p == root_pid:
+      total += ticks
+  return total
+
+
+def machine_busy_jiffies() -> int:
+  """Busy CPU time of the whole machine (all cores, clock ticks) from ``/proc/stat``."""
+  with open("/proc/stat") as f:
+    fields = [int(x) for x in f.readline().split()[1:]]
+  idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+  return sum(fields[:8]) - idle
+
+
+class QuietWindow:
+  """Measures what other processes used of the machine during a timed section.
+
+  ``with QuietWindow() as w: ...`` then ``w.result()``: the share of all cores' time that
+  processes outside this benchmark's process tree used during the section
+  (``others_share``, from ``/proc/stat`` minus the tree's own CPU time), the load averages
+  at both ends, and ``quiet = others_share < 0.05``. A figure timed in a window that was
+  not quiet is not a result (other jobs' threads slow the two sides unequally).
+  """
+
+  LIMIT = 0.05
+
+  def __enter__(self) -> "QuietWindow":
+    self.load_start = load_average()
+    self.t0 = time.perf_counter()
+    self.busy0, self.own0 = machine_busy_jiffies(), own_tree_jiffies()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.busy1, self.own1 = machine_busy_jiffies(), own_tree_jiffies()
+    self.seconds = time.perf_counter() - self.t0
+    self.load_end = load_average()
+
+  def result(self) -> dict:
+    ticks = os.sysconf("SC_CLK_TCK")
+    capacity = self.seconds * (os.cpu_count() or 1)
+    others = max(0, (self.busy1 - self.busy0) - (self.own1 - self.own0)) / ticks
+    share = others / capacity if capacity > 0 else 0.0
+    return {"others_share": round(share, 4), "quiet": share < self.LIMIT, "window_s": round(self.seconds, 2),
+            "load_average_start": self.load_start, "load_average_end": self.load_end}
+
+
 def emit(result: dict) -> None:
   """Prints the benchmark's result as one JSON line (the last line of its output)."""
   print(json.dumps(result, sort_keys=True), flush=True)

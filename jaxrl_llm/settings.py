@@ -29,20 +29,24 @@ A check that relates two fields of one dataclass goes in ``__post_init__`` after
 builds every settings dataclass and reports what it rejects. A mapping whose keys
 are the user's (``task.kwargs``) is declared with ``free=True``.
 
-This module sits at the bottom of the layer order: it imports nothing from the
+This module sits at the bottom of the layer order: it imports only jaxrl_llm.errors from the
 package, so any layer may declare its settings with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
+from jaxrl_llm.errors import ConfigError
+
 __all__ = [
-    "Check", "setting", "config_fields", "field_errors", "check", "from_section", "one_of", "optional",
+    "ConfigError", "Check", "setting", "config_fields", "field_errors", "check", "from_section", "one_of", "optional",
     "in_range", "POSITIVE_INT", "NONNEG_INT", "POSITIVE", "NONNEG", "UNIT", "NUMBER", "BOOL", "STRING",
     "NONEMPTY_STRING", "POWER_OF_TWO", "MAPPING", "default_of", "doc_of", "is_free", "greater_than", "at_least",
-    "require",
+    "require", "closest_name", "did_you_mean",
 ]
 
 
@@ -52,6 +56,7 @@ class Check:
 
   test: Callable[[Any], bool]
   expected: str
+  names: Optional[Callable[[], Sequence[str]]] = None  # the valid names, for "did you mean ...?"
 
   def __call__(self, value: Any) -> bool:
     try:
@@ -68,12 +73,17 @@ def _is_num(v: Any) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _is_finite_num(v: Any) -> bool:
+  """A number that is not NaN or infinite: every setting that a number check accepts."""
+  return _is_num(v) and math.isfinite(v)
+
+
 POSITIVE_INT = Check(lambda v: _is_int(v) and v > 0, "a positive integer")
 NONNEG_INT = Check(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
-POSITIVE = Check(lambda v: _is_num(v) and v > 0, "a number > 0")
-NONNEG = Check(lambda v: _is_num(v) and v >= 0, "a number >= 0")
+POSITIVE = Check(lambda v: _is_finite_num(v) and v > 0, "a finite number > 0")
+NONNEG = Check(lambda v: _is_finite_num(v) and v >= 0, "a finite number >= 0")
 UNIT = Check(lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]")
-NUMBER = Check(_is_num, "a number")
+NUMBER = Check(_is_finite_num, "a finite number")
 BOOL = Check(lambda v: isinstance(v, bool), "true or false")
 STRING = Check(lambda v: isinstance(v, str), "a string")
 NONEMPTY_STRING = Check(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
@@ -85,7 +95,21 @@ MAPPING = Check(lambda v: callable(getattr(v, "keys", None)) and callable(getatt
 def one_of(options: Iterable[Any]) -> Check:
   """Accepts exactly the listed values (names taken from the package that owns them)."""
   options = tuple(options)
-  return Check(lambda v: v in options, f"one of {options}")
+  return Check(lambda v: v in options, f"one of {options}", names=lambda: [o for o in options if isinstance(o, str)])
+
+
+def closest_name(value: Any, names: Iterable[str]) -> Optional[str]:
+  """The valid name nearest to a misspelt ``value`` (difflib's ratio >= 0.6), or None."""
+  if not isinstance(value, str):
+    return None
+  found = difflib.get_close_matches(value, list(names), n=1)
+  return found[0] if found else None
+
+
+def did_you_mean(value: Any, names: Iterable[str]) -> str:
+  """``"; did you mean 'grpo'?"`` for a near miss, else ``""``."""
+  near = closest_name(value, names)
+  return f"; did you mean {near!r}?" if near is not None else ""
 
 
 def optional(inner: Check, meaning: str = "unset") -> Check:
@@ -95,12 +119,12 @@ def optional(inner: Check, meaning: str = "unset") -> Check:
 
 def greater_than(low: float) -> Check:
   """A number > ``low``."""
-  return Check(lambda v: _is_num(v) and v > low, f"a number > {low:g}")
+  return Check(lambda v: _is_finite_num(v) and v > low, f"a finite number > {low:g}")
 
 
 def at_least(low: float) -> Check:
   """A number >= ``low``."""
-  return Check(lambda v: _is_num(v) and v >= low, f"a number >= {low:g}")
+  return Check(lambda v: _is_finite_num(v) and v >= low, f"a finite number >= {low:g}")
 
 
 def in_range(low: float, high: float, low_open: bool = False, high_open: bool = False, integer: bool = False) -> Check:
@@ -184,7 +208,8 @@ def field_errors(cls: type, values: Mapping[str, Any], section: str) -> list[str
       continue
     chk = f.metadata.get("check")
     if chk is not None and not chk(values[f.name]):
-      errors.append(f"{prefix}{f.name}={values[f.name]!r}: expected {chk.expected}")
+      hint = did_you_mean(values[f.name], chk.names()) if chk.names is not None else ""
+      errors.append(f"{prefix}{f.name}={values[f.name]!r}: expected {chk.expected}{hint}")
   return errors
 
 

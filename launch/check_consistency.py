@@ -20,13 +20,15 @@ import json
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 import configs
+from launch import cli
 
 _DEFAULT = os.path.join(os.path.dirname(configs.__file__), "grpo_addition.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Path to a configs/*.py file.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Path to a configs/*.py file.", lock_config=False,
+                                          accept_new_attributes=True)  # as launch/train.py
 _RUN_DIR = flags.DEFINE_string("run_dir", None, "Run folder whose checkpoint to load (overrides config.run_dir).")
 _SAMPLER = flags.DEFINE_enum("sampler", "jax", ["jax", "actor"],
                              "jax: the in-process sampler; actor: a Ray sampler actor as in the pipeline.")
@@ -38,16 +40,14 @@ def main(argv):
   from jaxrl_llm import configuration
   from jaxrl_llm import jobs
   from jaxrl_llm.jobs import consistency
-  config = _CONFIG.value
+  config = cli.load_config(_CONFIG)
   if _RUN_DIR.value:
     config.run_dir = _RUN_DIR.value
   config.log.progress = False
-  try:
-    configuration.validate(config)
-  except configuration.ConfigError as e:
-    raise app.UsageError(str(e)) from None
   logging.set_verbosity(logging.WARNING)
-  run = jobs.RLJob(config)
+  with cli.user_errors():
+    configuration.validate(config)
+    run = jobs.RLJob(config)
   report = consistency.check(run, num_prompts=_PROMPTS.value, sampler=_SAMPLER.value)
   print(f"consistency check: {report['rows']} rows, {report['tokens']} response tokens, "
         f"policy version {report['policy_version']}, sampler {report['sampler']}")
@@ -63,7 +63,7 @@ def main(argv):
 
 def run():
   """Console-script entry point."""
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ task argument added as ``--config.objective.kwargs.<name>=<value>`` /
 misspelt field elsewhere is an error); the whole config is validated before anything
 starts (docs/config.md lists every field, recipe argument and task argument).
 
+A wrong input (a mistyped flag or field, an unknown recipe or task, a mesh larger than
+the machine, a missing file) prints one paragraph and exits with status 2; a run stopped
+on purpose (non-finite updates, a failing reward) prints one paragraph and exits with 1;
+``--verbose`` or ``JAXRL_VERBOSE=1`` adds the traceback (launch/cli.py).
+
 A multi-host learner runs this same command once per process, with
 ``--num_processes=N --process_id=i --coordinator_address=host:port`` (or the
 ``JAXRL_NUM_PROCESSES`` / ``JAXRL_PROCESS_ID`` / ``JAXRL_COORDINATOR``
@@ -25,10 +30,11 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 import configs
+from launch import cli
 
 _DEFAULT = os.path.join(os.path.dirname(configs.__file__), "grpo_addition.py")
 # The config files return base_config()'s locked ConfigDict, whose only open parts are
@@ -46,27 +52,29 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (de
 
 def main(argv):
   del argv
-  from jaxrl_llm import configuration
-  from jaxrl_llm.learner import multihost
+  from jaxrl_llm import configuration, errors  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.learner import multihost  # pylint: disable=import-outside-toplevel
   try:
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  from jaxrl_llm import jobs
-  config = _CONFIG.value
+    cli.fail(str(e), cli.USAGE_EXIT)
+  from jaxrl_llm import jobs  # pylint: disable=import-outside-toplevel
+  config = cli.load_config(_CONFIG)
   if _RUN_DIR.value:
     config.run_dir = _RUN_DIR.value
-  try:
-    configuration.validate(config)
-  except configuration.ConfigError as e:
-    raise app.UsageError(str(e)) from None
   logging.set_verbosity(logging.WARNING)
-  jobs.run(config)
+  with cli.user_errors():
+    try:
+      configuration.validate(config)
+      job = jobs.make_job(config)
+    except OSError as e:  # before anything ran, a file the input names is missing or unreadable
+      raise errors.ConfigError(str(e)) from e
+    job.train()
 
 
 def run():
   """Console-script entry point."""
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import sys
 
 from absl import app, flags
 
+from launch import cli
+
 _NAME = flags.DEFINE_string("name", "sweep", "Experiment name (folder under --root).")
 _CONFIG = flags.DEFINE_string("config", "configs/grpo_addition.py", "A configs/*.py file.")
 _SWEEP = flags.DEFINE_multi_string("sweep", [], "path=v1,v2,... : one work unit per value (product over flags).")
@@ -74,13 +76,10 @@ def build_experiment(name, config, sweep, sets, learner_processes=1, devices_per
 def main(argv):
   del argv
   from jaxrl_llm import experiments
-  from jaxrl_llm.configuration import ConfigError
-  exp = build_experiment(_NAME.value, _CONFIG.value, _SWEEP.value, _SET.value, _LEARNER_PROCESSES.value,
-                         _DEVICES.value, _SAMPLERS.value, _ROOT.value)
-  try:
+  with cli.user_errors():
+    exp = build_experiment(_NAME.value, _CONFIG.value, _SWEEP.value, _SET.value, _LEARNER_PROCESSES.value,
+                           _DEVICES.value, _SAMPLERS.value, _ROOT.value)
     units = experiments.plan(exp)
-  except ConfigError as e:
-    raise app.UsageError(str(e)) from None
   print(f"experiment {exp.name}: {len(units)} work units in {exp.directory}")
   if _BACKEND.value == "xm":
     xp = experiments.launch_xm(exp)
@@ -93,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

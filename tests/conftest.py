@@ -60,7 +60,7 @@ hypothesis_settings.load_profile("jaxrl_llm")
 # Ray tests each start a local Ray cluster sized to the machine.
 XDIST_GROUPS = {
     "test_determinism.py": "runs", "test_multihost.py": "runs", "test_experiments.py": "runs",
-    "test_rollout_pool.py": "ray", "test_offpolicy_loop.py": "ray",
+    "test_rollout_pool.py": "ray", "test_offpolicy_loop.py": "ray", "test_ray_loopback.py": "ray",
 }
 # Single long tests that get a group of their own, so that a free worker can take them while the
 # rest of their file's group runs on the other one.
@@ -70,7 +70,8 @@ OWN_GROUP = {"test_pipeline_sigkill_then_resume_matches_an_uninterrupted_run": "
 # while the other worker idles.
 LONG_FIRST = ("test_learner_e2e.py", "test_determinism.py", "test_multihost.py", "test_experiments.py",
               "test_offpolicy_loop.py", "test_rollout_pool.py", "test_jobs.py", "test_learner_run.py",
-              "test_offpolicy_corrections.py",
+              "test_offpolicy_corrections.py", "test_checkpoint_integrity.py", "test_jobs_rewards.py",
+              "test_tasks_reward_runner.py", "test_prompt_check.py", "test_faults.py",
               "test_reward_model_train.py", "test_objectives_invariance.py")
 
 

@@ -28,7 +28,7 @@ PACKAGE = "jaxrl_llm"
 # the rollout machinery -> 3; what trains on top of the learner (reward models) -> 4; run
 # configuration and launching -> 5; jobs, which wire everything together -> 6.
 LAYERS = {
-    0: ("types", "reduce", "ops", "settings"),
+    0: ("types", "reduce", "ops", "settings", "errors"),
     1: ("objectives", "advantages", "models"),
     2: ("bridge", "sampling", "tasks", "diagnostics"),
     3: ("rollout", "learner"),

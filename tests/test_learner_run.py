@@ -44,8 +44,7 @@ def test_resume_continues_where_it_stopped_bit_for_bit(tmp_path):
   first = jobs.RLJob(tiny_config(tmp_path / "b", rl__steps=2))
   first.train()
   resumed = jobs.RLJob(tiny_config(tmp_path / "b", rl__steps=4))
-  assert resumed.progress.step == 2 and resumed.progress.phase == "done"
-  resumed.progress.phase = "rl"  # asked for more steps than the finished run had
+  assert resumed.progress.step == 2 and resumed.progress.phase == "rl"  # the finished run, extended to 4 steps
   resumed.train()
   assert resumed.progress.step == 4
   for a, b in zip(_leaves(straight.params), _leaves(resumed.params)):

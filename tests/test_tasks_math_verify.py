@@ -101,3 +101,29 @@ def test_verify_end_to_end():
   assert verify("The answer is $0.75", "#### 3/4")
   with pytest.raises(TypeError, match="str"):
     extract_answer(None)
+
+
+PATHOLOGICAL = {"huge-exponent": "#### 1e99999999999", "overflow": "#### 1e400000", "5000-digits": "#### " + "7" * 5000,
+                "slow-exponent": "#### 1e30000000", "tiny": "#### -1e-99999999999",
+                "boxed-frac": "\\boxed{\\frac{1e99999}{3}}", "slash": "#### 1e99999/1e99999",
+                "thousands": "#### " + ",".join(["123"] * 2000)}
+
+
+@pytest.mark.parametrize("answer", list(PATHOLOGICAL.values()), ids=list(PATHOLOGICAL))
+def test_pathological_answers_are_wrong_answers_quickly(answer):
+  """Bounded work: huge exponents or digit counts are not numbers (no 10^(10^11), no OverflowError,
+  no int-digits ValueError), so against a numeric gold answer they are simply wrong."""
+  assert verify(answer, "#### 72") is False
+  assert verify("#### 72", answer) is False
+  assert verify(answer, answer) is True  # identical strings still match (normalised string equality)
+
+
+def test_digit_and_exponent_limits():
+  assert parse_number("1e1000") == (Fraction(10) ** 1000, False)  # at the limits: a number
+  assert parse_number("1E-1000") == (Fraction(1, 10 ** 1000), False)
+  assert parse_number("9" * 1000) == (Fraction(int("9" * 1000)), False)
+  assert parse_number("1e1001") is None and parse_number("1e-1001") is None  # past them: not a number
+  assert parse_number("1e0000000000000005") == (Fraction(100000), False)  # leading zeros of the exponent
+  assert parse_number("9" * 1001) is None and parse_number("0." + "0" * 1000 + "1") is None
+  assert answers_match("1e999", "1e999") and not answers_match("1e400", "1e401")  # above float range: exact
+  assert answers_match("1e999", "1.0000000001e999")  # rel_tol, in exact arithmetic

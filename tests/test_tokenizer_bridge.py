@@ -63,7 +63,7 @@ def make_bpe_tokenizer(pad_token=None, extra_specials=("<|fim_pad|>",)):
 def test_char_tokenizer_ids_and_round_trip():
   tok = build_char_tokenizer(ALPHABET)
   assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
-  assert tok.vocab_size == 3 + len(ALPHABET) and tok.is_char_level
+  assert tok.vocab_size == 3 + len(ALPHABET) and tok.is_char_level and tok.unk_token is None
   assert tok.encode("0") == [3] and tok.encode(" ") == [3 + ALPHABET.index(" ")]
   ids = tok.encode("12+34=46<eos>")
   assert ids[-1] == 1 and len(ids) == 9
@@ -75,6 +75,21 @@ def test_char_tokenizer_ids_and_round_trip():
     tok.encode("1x")
   with pytest.raises(ValueError, match="id 99 is outside"):
     tok.decode([99])
+
+
+def test_saved_char_tokenizer_marks_unknown_characters_instead_of_dropping_them(tmp_path):
+  """``transformers`` loads the saved folder: a character outside the alphabet becomes <unk>, in place."""
+  transformers = pytest.importorskip("transformers")
+  tok = build_char_tokenizer(ALPHABET, unk_token="<unk>")
+  assert tok.vocab_size == 3 + len(ALPHABET) + 1 and tok.unk_token == "<unk>"
+  tok.save(tmp_path)
+  hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  unk = tok.token_to_id("<unk>")
+  assert unk == 3 + len(ALPHABET)
+  assert hf("1x2", add_special_tokens=False).input_ids == [4, unk, 5]
+  assert hf.unk_token == "<unk>" and len(hf) == tok.vocab_size
+  with pytest.raises(ValueError, match="character 'x'"):  # our own encoder still refuses it
+    Tokenizer.from_folder(tmp_path).encode("1x2")
 
 
 def test_char_fast_path_agrees_with_tokenizers_library():

@@ -21,11 +21,12 @@ padding is masked), first rule that applies:
 Asking explicitly for a pad token equal to EOS is an error.
 
 :func:`build_char_tokenizer` makes an in-memory char-level tokenizer (ids: pad
-0, eos 1, bos 2, then one id per character) for the built-in tasks. Char-level
+0, eos 1, bos 2, then one id per character, then ``<unk>`` when asked) for the built-in tasks. Char-level
 tokenizers (built here or loaded from a folder saved by :meth:`Tokenizer.save`)
 take a pure-python fast path for encode/decode that gives the same ids as the
-library, except that an unknown character raises ValueError (the library
-drops it silently, which would corrupt task rewards).
+library, except that an unknown character raises ValueError (the library gives
+it the ``<unk>`` id when there is one, and otherwise drops it silently: either
+would corrupt task rewards).
 """
 
 from __future__ import annotations
@@ -317,14 +318,21 @@ class Tokenizer:
 
 
 def build_char_tokenizer(alphabet: str, special: Sequence[str] = DEFAULT_CHAR_SPECIALS, *,
-                         chat_template: Optional[str] = DEFAULT_CHAR_CHAT_TEMPLATE) -> Tokenizer:
-  """An in-memory char-level tokenizer: specials first, then one id per character.
+                         chat_template: Optional[str] = DEFAULT_CHAR_CHAT_TEMPLATE,
+                         unk_token: Optional[str] = None) -> Tokenizer:
+  """An in-memory char-level tokenizer: specials first, then one id per character[, then ``unk_token``].
 
   Args:
     alphabet: the characters, each once (ids len(special), len(special)+1, ...).
     special: (pad, eos, bos[, more...]) special tokens, ids 0, 1, 2, ...
     chat_template: jinja2 template; the default writes BOS, each message's
       content, and EOS after assistant turns.
+    unk_token: e.g. ``"<unk>"``: one more id, last, that the saved tokenizer
+      (``transformers``, vLLM) gives a character outside the alphabet; this class still
+      raises on one. None (default, what the built-in tasks use): no unknown token, and
+      the saved tokenizer drops such a character silently. The default stays None
+      because the extra id changes the model's shape, and with it every figure measured
+      on the built-in tasks.
 
   Returns:
     A :class:`Tokenizer` with pad id 0, eos id 1, bos id 2 (for the default
@@ -341,14 +349,19 @@ def build_char_tokenizer(alphabet: str, special: Sequence[str] = DEFAULT_CHAR_SP
     if c in seen:
       raise ValueError(f"alphabet {alphabet!r} repeats the character {c!r}")
     seen.add(c)
-  clash = [s for s in special if s in seen]
+  specials = tuple(special) + ((unk_token,) if unk_token is not None else ())
+  clash = [s for s in specials if s in seen]
   if clash:
     raise ValueError(f"special tokens {clash} are also alphabet characters")
+  if unk_token in special:
+    raise ValueError(f"unk_token={unk_token!r} is also in special={tuple(special)}")
   vocab = {s: i for i, s in enumerate(special)}
   vocab.update({c: len(special) + i for i, c in enumerate(alphabet)})
-  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+  if unk_token is not None:
+    vocab[unk_token] = len(vocab)
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk_token, fuse_unk=False))
   tok.decoder = decoders.Fuse()
-  tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
+  tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
   return Tokenizer(tok, chat_template=chat_template, pad_token=special[0], eos_token=special[1],
-                   bos_token=special[2] if len(special) > 2 else None,
+                   bos_token=special[2] if len(special) > 2 else None, unk_token=unk_token,
                    source=f"char tokenizer {alphabet!r}")

@@ -1,5 +1,5 @@
 """Settings of the operational sections: sampler, rollout, data, diagnostics, reward
-model, evaluation, checkpoints, logging and export.
+functions, reward model, evaluation, checkpoints, logging and export.
 
 The curation fields of ``config.data`` are declared by
 :class:`jaxrl_llm.tasks.curation.CurationConfig`, the consistency limits of
@@ -15,13 +15,15 @@ import dataclasses
 
 from jaxrl_llm.diagnostics import offpolicy
 from jaxrl_llm.settings import (BOOL, NONEMPTY_STRING, NONNEG, NONNEG_INT, NUMBER, POSITIVE, POSITIVE_INT, STRING,
-                                check, in_range, require, setting)
+                                UNIT, check, in_range, require, setting)
 
 SAMPLER_KINDS = ("jax", "vllm")  # the sampler a rollout actor builds (jaxrl_llm.rollout.actor.SamplerSpec.kind)
 ROLLOUT_MODES = ("sync", "pipeline")  # where samples come from (the learner's process, or Ray sampler actors)
 CONSISTENCY_ACTIONS = ("warn", "skip")  # what a failed sampler/learner consistency check does
 RM_NORMALIZATIONS = ("none", "running")  # processing of reward-model scores (jaxrl_llm.reward_model.scorer)
 RM_BASELINES = ("none", "greedy", "answer")  # reference-response baselines of reward-model scores
+REWARD_MODES = ("process", "inline")  # where reward functions run (jaxrl_llm.tasks.reward_runner.MODES)
+LONG_PROMPT_ACTIONS = ("error", "skip", "truncate")  # a task row too long for the context (jaxrl_llm.jobs.prompt_check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,12 @@ class DataSettings:
                          STRING)
   sft_mix_rows: int = setting(8, "demonstration rows per RL step (a multiple of rl.samples_per_prompt)", POSITIVE_INT)
   sft_mix_coef: float = setting(0.1, "coefficient of the SFT loss on the demonstration tokens", NONNEG)
+  long_prompts: str = setting("error", "a task row whose prompt does not fit the context with rl.max_new_tokens "
+                              "(or, with a warm start, whose prompt + reference answer does not), found when every row "
+                              "of a dataset task is tokenised at start-up: 'error' (stop, naming file:line), 'skip' "
+                              "(drop such rows) or 'truncate' (keep the prompt's last tokens); skipped and truncated "
+                              "rows are counted in the log and summary.json. Generated tasks are checked on a sample "
+                              "and always stop", choices=LONG_PROMPT_ACTIONS)
 
   def __post_init__(self):
     check(self, "data")
@@ -106,6 +114,30 @@ class DiagnosticsSettings:
 
   def __post_init__(self):
     check(self, "diagnostics")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSettings:
+  """``config.reward``: how the task's reward function runs (training and evaluation alike;
+  :class:`jaxrl_llm.tasks.RewardRunner`)."""
+
+  mode: str = setting("process", "'process': in a pool of worker processes killed and replaced on a timeout, crash "
+                      "or memory error; 'inline': in the learner's thread (trusted rewards only: a call that never "
+                      "returns hangs the run)", choices=REWARD_MODES)
+  timeout_s: float = setting(5.0, "per-call time limit in seconds; a call over it scores 0 (counted)", POSITIVE)
+  workers: int = setting(2, "'process': reward worker processes (a batch is spread over them)", POSITIVE_INT)
+  memory_mb: int = setting(2048, "'process': address-space limit of each worker in MiB (RLIMIT_AS; a worker "
+                           "with a built-in task's reward uses ~250 MiB); 0: none", NONNEG_INT)
+  cpu_seconds: float = setting(60.0, "'process': CPU-time limit of one call in seconds (RLIMIT_CPU); 0: none",
+                               NONNEG)
+  max_failure_share: float = setting(0.5, "stop the run when more than this share of a step's reward calls fail "
+                                     "(raise, time out, crash, run out of memory, return NaN/inf) for "
+                                     "reward.failure_steps steps in a row; 1: never stop", UNIT)
+  failure_steps: int = setting(3, "consecutive failing steps (see max_failure_share) that stop the run; evaluation "
+                               "failures count as wrong answers and never stop it", POSITIVE_INT)
+
+  def __post_init__(self):
+    check(self, "reward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +193,9 @@ class CheckpointSettings:
 
   every: int = setting(50, "steps between checkpoints", POSITIVE_INT)
   keep: int = setting(2, "checkpoints kept", POSITIVE_INT)
-  resume: bool = setting(True, "resume from the latest checkpoint of the run folder", BOOL)
+  resume: bool = setting(True, "resume from the newest usable checkpoint of the run folder", BOOL)
+  verify: bool = setting(True, "on resume, check the sha256 of every checkpoint file against the manifest written "
+                         "last at its save (sizes are always checked)", BOOL)
 
   def __post_init__(self):
     check(self, "checkpoint")
@@ -190,7 +224,7 @@ class ExportSettings:
 
 
 __all__ = [
-    "SAMPLER_KINDS", "ROLLOUT_MODES", "CONSISTENCY_ACTIONS", "RM_NORMALIZATIONS", "RM_BASELINES", "SamplerSettings",
-    "RolloutSettings", "DataSettings", "DiagnosticsSettings", "RewardModelSettings", "EvalSettings",
-    "CheckpointSettings", "LogSettings", "ExportSettings",
+    "SAMPLER_KINDS", "ROLLOUT_MODES", "CONSISTENCY_ACTIONS", "RM_NORMALIZATIONS", "RM_BASELINES", "REWARD_MODES",
+    "SamplerSettings", "RolloutSettings", "DataSettings", "DiagnosticsSettings", "RewardSettings",
+    "RewardModelSettings", "EvalSettings", "CheckpointSettings", "LogSettings", "ExportSettings",
 ]

@@ -24,19 +24,15 @@ import ml_collections
 
 from jaxrl_llm.configuration.operations import (CheckpointSettings, DataSettings, DiagnosticsSettings,
                                                 EvalSettings, ExportSettings, LogSettings, RewardModelSettings,
-                                                RolloutSettings, SamplerSettings)
+                                                RewardSettings, RolloutSettings, SamplerSettings)
 from jaxrl_llm.configuration.training import (AdvantageSettings, CriticSettings, InitSettings, LearnerSettings,
                                               ModelSettings, ObjectiveSettings, OptimizerSettings, RLSettings,
                                               RunSettings, SftSettings, TaskSettings)
 from jaxrl_llm.diagnostics.consistency import ConsistencyThresholds
 from jaxrl_llm.diagnostics.control import ControlSettings
 from jaxrl_llm.diagnostics.guard import GuardSettings
-from jaxrl_llm.settings import config_fields, default_of, from_section, is_free
+from jaxrl_llm.settings import ConfigError, config_fields, default_of, from_section, is_free
 from jaxrl_llm.tasks.curation import CurationConfig
-
-
-class ConfigError(ValueError):
-  """A config field is missing or holds a value outside what it accepts."""
 
 
 def _section(path: str) -> Any:
@@ -69,6 +65,7 @@ class Settings:
   consistency: ConsistencyThresholds = _section("diagnostics")
   control: ControlSettings = _section("control")
   guard: GuardSettings = _section("guard")
+  reward: RewardSettings = _section("reward")
   reward_model: RewardModelSettings = _section("reward_model")
   eval: EvalSettings = _section("eval")
   checkpoint: CheckpointSettings = _section("checkpoint")

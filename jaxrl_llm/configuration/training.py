@@ -25,7 +25,8 @@ CORRECTION_LIST = Check(lambda v: isinstance(v, (tuple, list)) and all(
     isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[0], str) and MAPPING(e[1]) for e in v),
     "a sequence of (name, {argument: value}) pairs")
 RUN_NAME = Check(lambda v: isinstance(v, str) and bool(v) and "/" not in v, "a non-empty name without '/'")
-TASK_NAME = Check(lambda v: v in tasks.list_tasks(), "a registered task (jaxrl_llm.tasks.list_tasks())")
+TASK_NAME = Check(lambda v: v in tasks.list_tasks(), "a registered task (jaxrl_llm.tasks.list_tasks())",
+                  names=tasks.list_tasks)
 BELOW_ONE = in_range(0, 1, high_open=True)
 
 

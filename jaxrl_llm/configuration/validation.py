@@ -65,7 +65,11 @@ def declared_errors(config: ml_collections.ConfigDict) -> list[str]:
 def task_errors(config: ml_collections.ConfigDict) -> list[str]:
   """Keys of ``task.kwargs`` that the registered task's factory does not take."""
   name = config.task.name
-  return unknown_kwargs("task.kwargs", dict(config.task.kwargs), tasks.task_factory(name), f"task {name!r}")
+  errors = unknown_kwargs("task.kwargs", dict(config.task.kwargs), tasks.task_factory(name), f"task {name!r}")
+  if errors:  # typically a config file's arguments for its own task, kept when task.name is changed
+    errors.append('task.kwargs: to drop arguments set for another task, pass --config.task.kwargs="{}" before'
+                  " this task's own --config.task.kwargs.<name>=<value>")
+  return errors
 
 
 def construction_errors(config: ml_collections.ConfigDict) -> list[str]:

@@ -4,6 +4,12 @@
 are converted to Python floats once (a single device-to-host transfer per step).
 Non-finite values are written as strings ("nan", "inf") in JSONL so the file
 stays valid JSON.
+
+A resumed run continues the same files: :func:`truncate_jsonl` first cuts
+``metrics.jsonl`` back to what it held at the checkpoint (``JsonlWriter.lines``
+counts its lines, saved with each checkpoint), so replayed steps appear once;
+TensorBoard event files are not rewritten: a ``purge_step`` makes TensorBoard
+hide the events of the replayed steps.
 """
 
 from __future__ import annotations
@@ -33,22 +39,35 @@ def _json_safe(v: float) -> Any:
   return v if math.isfinite(v) else str(v)
 
 
+def _count_lines(path: str) -> int:
+  if not os.path.exists(path):
+    return 0
+  with open(path, "rb") as f:
+    return sum(1 for line in f if line.strip())
+
+
 class JsonlWriter:
+  """Appends one JSON record per line; ``lines`` counts the records the file holds."""
+
   def __init__(self, path: str):
+    self.lines = _count_lines(path)
     self._f = open(path, "a", buffering=1)
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     rec = {"step": step, "time": time.time(), **{k: _json_safe(v) for k, v in metrics.items()}}
     self._f.write(json.dumps(rec) + "\n")
+    self.lines += 1
 
   def close(self) -> None:
     self._f.close()
 
 
 class TensorBoardWriter:
-  def __init__(self, logdir: str):
+  """Scalars as TensorBoard events; ``purge_step`` hides earlier events of steps >= it (a resume)."""
+
+  def __init__(self, logdir: str, purge_step: Optional[int] = None):
     from tensorboardX import SummaryWriter
-    self._w = SummaryWriter(logdir=logdir, flush_secs=10)
+    self._w = SummaryWriter(logdir=logdir, flush_secs=10, purge_step=purge_step)
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     for k, v in metrics.items():
@@ -93,14 +112,21 @@ class MetricsWriter:
   """JSONL + TensorBoard + progress bar behind one ``write`` call."""
 
   def __init__(self, run_dir: str, total_steps: int, description: str = "train",
-               progress: bool = True, tensorboard: bool = True, jsonl_name: str = "metrics.jsonl"):
+               progress: bool = True, tensorboard: bool = True, jsonl_name: str = "metrics.jsonl",
+               purge_step: Optional[int] = None):
     os.makedirs(run_dir, exist_ok=True)
     self.jsonl_path = os.path.join(run_dir, jsonl_name)
     self.tb_dir = os.path.join(run_dir, "tensorboard")
-    self._sinks: list[Any] = [JsonlWriter(self.jsonl_path)]
+    self._jsonl = JsonlWriter(self.jsonl_path)
+    self._sinks: list[Any] = [self._jsonl]
     if tensorboard:
-      self._sinks.append(TensorBoardWriter(self.tb_dir))
+      self._sinks.append(TensorBoardWriter(self.tb_dir, purge_step))
     self._bar = ProgressBar(total_steps, description, enabled=progress)
+
+  @property
+  def lines(self) -> int:
+    """Records in the JSONL file so far (saved with a checkpoint, the length a resume cuts back to)."""
+    return self._jsonl.lines
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
     values = to_python(metrics)
@@ -118,6 +144,37 @@ class MetricsWriter:
 def read_jsonl(path: str) -> list[dict]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path: str, keep_lines: Optional[int] = None, max_step: Optional[int] = None) -> int:
+  """Cuts a JSONL metrics file back to a checkpoint; returns the number of lines removed.
+
+  Keeps the first ``keep_lines`` records when given (the count saved with the
+  checkpoint: exact, whatever the steps), else the records whose ``step`` is at
+  most ``max_step``. Torn or unreadable lines (a killed writer) are dropped.
+  The file is replaced atomically.
+  """
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  kept = []
+  for line in lines:
+    if keep_lines is not None and len(kept) >= keep_lines:
+      break
+    try:
+      rec = json.loads(line)
+    except ValueError:
+      continue
+    if keep_lines is not None or max_step is None or rec.get("step", 0) <= max_step:
+      kept.append(line if line.endswith("\n") else line + "\n")
+  if len(kept) == len(lines):
+    return 0
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+  return len(lines) - len(kept)
 
 
 def plot_curves(records: list[dict], out_png: str, keys: Optional[list[str]] = None, title: str = "") -> str:

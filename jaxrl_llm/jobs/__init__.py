@@ -2,6 +2,8 @@
 
   base          Job: run folder and write probe, checkpoints with progress and host
                 components, the SFT warm start, hooks, summary, plot, HF export
+  resume        what a run does with its checkpoints: the config check, the extension
+                of a finished run, metrics cut back, finite-only saves and outputs
   rl            RLJob: one step = collect -> score -> advantages -> update -> publish
   score         the score stage (rule reward, reward model, combination, clipping)
   advantages    the advantages stage: one pure function, samples + rewards -> RLBatch
@@ -10,6 +12,7 @@
   evaluation    held-out greedy accuracy and pass@k
   reward_model  RewardModelJob: Bradley-Terry training of a reward model
   consistency   the sampler-vs-learner check on a checkpoint (``jaxrl-check-consistency``)
+  prompt_check  every prompt checked against the context at start-up (``data.long_prompts``)
 
 :func:`run` picks the job from ``config.job``. A new kind of job subclasses
 :class:`Job` and is added to :data:`JOBS` (see docs/architecture.md).

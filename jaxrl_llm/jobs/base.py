@@ -23,13 +23,16 @@ subclass supplies            meaning
 ===========================  ================================================
 
 One run, in order: validate the config; check that the run folder is
-writable (before any compute); ``build()``; resume from the newest checkpoint
-when there is one (arrays, progress and every registered component's state);
-``after_restore()``; warm start; ``end_warm_start``; main phase, each step
-followed by the due hooks (:mod:`jaxrl_llm.jobs.hooks`), a metrics record and
-a checkpoint when due; final evaluation; ``metrics.jsonl``, TensorBoard
-events, ``curves.png``, ``summary.json`` and the model as a Hugging Face
-folder in ``hf_export/``.
+writable (before any compute); ``build()``; resume from the newest usable
+checkpoint when there is one (verified, its config compared with this one;
+arrays, progress and every registered component's state: see
+:mod:`jaxrl_llm.jobs.resume`); ``after_restore()``; warm start;
+``end_warm_start``; main phase, each step followed by the due hooks
+(:mod:`jaxrl_llm.jobs.hooks`), a metrics record and a checkpoint when due
+(never of a non-finite state); final evaluation; ``metrics.jsonl``,
+TensorBoard events, ``curves.png``, ``summary.json`` and the model as a
+Hugging Face folder in ``hf_export/`` (only from a finite state). A finished
+run rerun with the same steps does nothing; with more steps it trains them.
 
 State that lives on the host (prompt streams, controllers, counters) is saved
 as JSON with the checkpoint: a component registered with
@@ -41,8 +44,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import json
-import logging
 import os
 import time
 from typing import Any, Callable, Optional
@@ -52,17 +53,13 @@ import ml_collections
 
 from jaxrl_llm import bridge, configuration
 from jaxrl_llm.diagnostics import writers
+from jaxrl_llm.jobs import resume
+from jaxrl_llm.jobs.resume import NonFiniteError
 from jaxrl_llm.learner import builders, checkpoint, mesh as mesh_lib, multihost, sft
 from jaxrl_llm.reward_model.encoding import encode_prompt
 from jaxrl_llm.tasks import get_task
 
 __all__ = ["Hook", "Job", "NonFiniteError", "Progress", "place_on_mesh"]
-
-log = logging.getLogger("jaxrl_llm")
-
-
-class NonFiniteError(RuntimeError):
-  """Raised after ``learner.max_nonfinite_in_a_row`` consecutive skipped (non-finite) updates."""
 
 
 @dataclasses.dataclass
@@ -78,6 +75,7 @@ class Progress:
     nonfinite_in_a_row: consecutive updates skipped for a non-finite loss or gradient.
     skipped_updates: all such updates.
     components: name -> state of every registered component (:meth:`Job.register_state`).
+    metrics_lines: records in ``metrics.jsonl`` at the checkpoint (a resume cuts the file back to them).
   """
 
   phase: str = "sft"
@@ -88,6 +86,7 @@ class Progress:
   nonfinite_in_a_row: int = 0
   skipped_updates: int = 0
   components: dict = dataclasses.field(default_factory=dict)
+  metrics_lines: Optional[int] = None
 
 
 class Hook(abc.ABC):
@@ -126,8 +125,8 @@ class Job(abc.ABC):
     # Process 0 writes the run's files; the others write theirs under process_<i>/.
     self.out_dir = (self.run_dir if multihost.is_main_process()
                     else os.path.join(self.run_dir, f"process_{jax.process_index()}"))
-    self.checkpointer = checkpoint.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
-                                                keep=config.checkpoint.keep, save_every=config.checkpoint.every)
+    self.checkpointer = checkpoint.Checkpointer(os.path.join(self.run_dir, "checkpoints"), keep=config.checkpoint.keep,
+                                                save_every=config.checkpoint.every, verify=config.checkpoint.verify)
     self.task = get_task(config.task.name, **dict(config.task.kwargs))
     self.tokenizer = builders.build_tokenizer(config, self.task)
     self.mesh = mesh_lib.make_mesh(dict(config.learner.mesh))
@@ -137,6 +136,8 @@ class Job(abc.ABC):
     self.model_config: Any = None
     self.sft_step: Optional[Callable] = None  # the warm start's jitted step (set by build)
     self._components: dict[str, Any] = {}
+    self._metrics: Optional[writers.MetricsWriter] = None  # while training: its line count goes into checkpoints
+    self.resume_point = resume.ResumePoint()
     self._closers: list[Callable[[], None]] = [self.checkpointer.close]
     self.build()
     self.restore()
@@ -197,17 +198,17 @@ class Job(abc.ABC):
     self._closers.append(fn)
 
   def restore(self) -> bool:
-    """Loads the newest checkpoint (arrays, progress, components); False when there is none."""
-    if not (self.config.checkpoint.resume and self.checkpointer.latest_step() is not None):
+    """Loads the newest usable checkpoint (arrays, progress, components); False when there is none."""
+    found = resume.load(self)
+    if found is None:
       return False
-    state, extra, step = self.checkpointer.restore(self.restorable_like(self.state))
+    state, extra, step = found
     self.state = place_on_mesh(state, self.mesh)
     self.progress = Progress(**extra["progress"])
     for name, component in self._components.items():
       if self.progress.components.get(name) is not None:
         component.set_state(self.progress.components[name])
-    log.warning("resumed from checkpoint step %d (%s phase)", step, self.progress.phase)
-    print(f"Resumed from {self.checkpointer.directory} at step {step} ({self.progress.phase} phase).")
+    resume.continue_from(self, step)
     return True
 
   def restorable_like(self, state: Any) -> Any:
@@ -215,26 +216,16 @@ class Job(abc.ABC):
     return state
 
   def save(self, force: bool = False) -> None:
-    """Checkpoints arrays + progress + components when due (every ``checkpoint.every`` steps) or forced."""
+    """Checkpoints arrays + progress + components + config when due (every ``checkpoint.every`` steps) or forced."""
     step = self.progress.sft_step + self.progress.step
     if force or self.checkpointer.should_save(step):
       self.progress.components = {name: c.get_state() for name, c in self._components.items()}
-      self.checkpointer.save(step, self.state, {"progress": dataclasses.asdict(self.progress)})
+      self.progress.metrics_lines = self._metrics.lines if self._metrics is not None else None
+      resume.save(self, step, force)
 
   def track_nonfinite(self, metrics: dict) -> None:
-    """Counts updates skipped for a non-finite loss or gradient; raises after too many in a row."""
-    if float(metrics["update/skipped_nonfinite"]) > 0:
-      self.progress.skipped_updates += 1
-      self.progress.nonfinite_in_a_row += 1
-      log.warning("non-finite loss or gradient: update skipped (%d in a row)", self.progress.nonfinite_in_a_row)
-      limit = self.config.learner.max_nonfinite_in_a_row
-      if self.progress.nonfinite_in_a_row >= limit:
-        raise NonFiniteError(
-            f"{self.progress.nonfinite_in_a_row} consecutive updates had a non-finite loss or gradient "
-            f"(limit learner.max_nonfinite_in_a_row={limit}); stopping. The last good state is in "
-            f"{self.checkpointer.directory}.")
-    else:
-      self.progress.nonfinite_in_a_row = 0
+    """Counts updates skipped for non-finite values; raises :class:`NonFiniteError` after too many in a row."""
+    resume.track_nonfinite(self, metrics)
 
   # ------------------------------------------------------------------ shared pieces
 
@@ -276,8 +267,13 @@ class Job(abc.ABC):
     """Runs the job from wherever its progress stands; returns the summary (also summary.json)."""
     c = self.config
     start = time.time()
-    writer = writers.MetricsWriter(self.out_dir, c.sft.steps + self.main_steps(), description=c.name,
-                                   progress=c.log.progress, tensorboard=c.log.tensorboard)
+    if (done := resume.completed_summary(self)) is not None:
+      self.close()
+      return done
+    purge_step = resume.start(self)
+    writer = self._metrics = writers.MetricsWriter(self.out_dir, c.sft.steps + self.main_steps(), description=c.name,
+                                                   progress=c.log.progress, tensorboard=c.log.tensorboard,
+                                                   purge_step=purge_step)
     try:
       if self.progress.phase == "sft":
         if c.sft.steps:
@@ -299,6 +295,7 @@ class Job(abc.ABC):
         self.save(force=True)
       final = self.evaluate()
     finally:
+      self._metrics = None
       writer.close()
       self.close()
     return self.finish(final, time.time() - start, writer)
@@ -311,6 +308,7 @@ class Job(abc.ABC):
   def finish(self, final: dict, seconds: float, writer: writers.MetricsWriter) -> dict:
     """Plot, HF export, ``summary.json`` and the printed summary line."""
     c = self.config
+    resume.check_final(self)
     records = [r for r in writers.read_jsonl(writer.jsonl_path) if r["step"] >= 0]
     plot = writers.plot_curves(records, os.path.join(self.out_dir, "curves.png"), list(self.plot_keys), title=c.name)
     export_dir = None
@@ -319,13 +317,12 @@ class Job(abc.ABC):
       if multihost.is_main_process():
         export_dir = bridge.export_hf_checkpoint(params, self.model_config, os.path.join(self.run_dir, "hf_export"),
                                                  tokenizer=self.tokenizer)
-    summary = {"name": c.name, "job": c.job, **self.summary(final),
+    summary = {"name": c.name, "job": c.job, **self.summary(final), "steps": self.progress.step,
                "sft_steps": self.progress.sft_step, "skipped_updates": self.progress.skipped_updates,
                "wall_clock_s": seconds, "run_dir": self.run_dir,
                "outputs": {"metrics": writer.jsonl_path, "tensorboard": writer.tb_dir, "plot": plot,
                            "hf_export": export_dir, "checkpoints": self.checkpointer.directory}}
-    with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+    resume.write_json(os.path.join(self.out_dir, "summary.json"), summary)  # last: it marks the run complete
     print(f"\n{c.name}: {self.headline(summary)} ({seconds:.0f} s).\nOutputs in {self.run_dir}: metrics.jsonl, "
           "tensorboard/, curves.png, summary.json" + (", hf_export/" if export_dir else ""))
     return summary

@@ -29,6 +29,7 @@ import numpy as np
 from jaxrl_llm.diagnostics import writers
 from jaxrl_llm.jobs.base import Job, place_on_mesh
 from jaxrl_llm.jobs.hooks import EvaluationHook
+from jaxrl_llm.jobs.prompt_check import check_prompts
 from jaxrl_llm.learner import builders, optim
 from jaxrl_llm.learner.state import create_train_state
 from jaxrl_llm.reward_model import loss as rm_loss
@@ -70,6 +71,7 @@ class RewardModelJob(Job):
     c = self.config
     rc = c.reward_model
     self.model_config = builders.build_model_config(c, self.tokenizer, reward_head=True)
+    self.task, self.long_prompts = check_prompts(self, None)  # the warm start's rows fit, or stop here
     self.data = build_preference_data(rc, self.task, c.seed, c.task.eval_size)
     self.encoder = PairEncoder(self.tokenizer, c.task.use_chat_template, self.model_config.max_position_embeddings)
     o = c.optimizer

@@ -35,14 +35,15 @@ from jaxrl_llm.jobs.collect import SourceFactory
 from jaxrl_llm.jobs.demonstrations import DemonstrationStream, mix_demonstrations
 from jaxrl_llm.jobs.stale_check import StaleConsistencyCheck
 from jaxrl_llm.jobs.evaluation import PolicyEvaluator
-from jaxrl_llm.jobs.score import RewardStage
+from jaxrl_llm.jobs.prompt_check import check_prompts
+from jaxrl_llm.jobs.score import RewardStage, reward_runner
 from jaxrl_llm.jobs.update import PolicyUpdate, RunState
 from jaxrl_llm.learner import builders, mesh as mesh_lib, multihost, optim, rl_step, update
 from jaxrl_llm.learner.state import create_train_state
 from jaxrl_llm.rollout import sources
 from jaxrl_llm.rollout.lagged import ParamsWindow
 from jaxrl_llm.sampling import JaxSampler, SamplerConfig
-from jaxrl_llm.tasks import PromptSource, RewardRunner, build_eval_set, curation
+from jaxrl_llm.tasks import PromptSource, build_eval_set, curation
 
 __all__ = ["RLJob", "StateSlot"]
 
@@ -74,6 +75,7 @@ class RLJob(Job):
       raise ValueError("rollout.mode='pipeline' with a multi-process learner: expected 'sync' (the Ray sampler "
                        "pool is driven from one learner process)")
     self.model_config = builders.build_model_config(c, self.tokenizer)
+    self.task, self.long_prompts = check_prompts(self, c.rl.max_new_tokens)  # every row fits, or stop here
     self.critic_config = self.model_config.replace(value_head=True) if c.critic.enabled else None
     self.optimizer = builders.build_optimizer(c, c.sft.steps + c.rl.steps * c.rl.updates_per_batch)
     self.critic_optimizer = (optim.make_optimizer(c.critic.lr, max_grad_norm=c.optimizer.max_grad_norm)
@@ -113,8 +115,11 @@ class RLJob(Job):
       self.prompts = PromptSource(self.task, c.rl.prompts_per_step, seed=c.seed, samples_per_prompt=n)
     self.prompt_state: Optional[dict] = None
     self.register_state("prompts", StateSlot(lambda: self.prompt_state, self._set_prompt_state))
-    runner = RewardRunner(self.task.reward, timeout_s=5.0, name="task")
+    runner = reward_runner(self.task.reward, self.settings.reward, name="task")  # config.reward: worker processes
     self.on_close(runner.close)
+    # Evaluation scores through the same runner's workers with its own counters; its failures never stop the run.
+    self.eval_rewards = runner.sharing("eval")
+    self.register_state("eval_rewards", self.eval_rewards)
     sequence_rewards = reward_model.build_sequence_rewards(c, self.mesh, self.tokenizer, self.task, self.greedy)
     self.score = RewardStage(runner, self.decode_response, n, sequence_rewards=sequence_rewards,
                              reward_clip=c.advantage.reward_clip,
@@ -212,7 +217,7 @@ class RLJob(Job):
       self.state = H.apply_control(self.state, self.controller, self.kl_coef_base)
     self.sampler = JaxSampler(self.model_config, multihost.local_copy(self.state.train.params), self.sampler_config)
     self.publish_local()
-    self.evaluator = PolicyEvaluator(self.sampler, self.task, self.encode_prompt, self.decode_response,
+    self.evaluator = PolicyEvaluator(self.sampler, self.eval_rewards, self.encode_prompt, self.decode_response,
                                      seed=self.config.seed, pass_k=self.config.eval.pass_k)
 
   def _flush_alerts(self) -> None:
@@ -274,6 +279,7 @@ class RLJob(Job):
     traj = rollout.trajectory.trimmed(multiple=8)
     rewards, reward_metrics = ((rollout.rewards, rollout.reward_metrics) if rollout.rewards is not None
                                else self.score(rollout.examples, traj, rollout.response_tokens))
+    self.score.end_step()  # stops the run when the reward failed on most calls for reward.failure_steps steps
     self.last_samples = (rollout.examples, rollout.response_tokens, rewards, np.asarray(traj.finished_b))
     out = compute_advantages(self.advantage_spec, self.advantage_inputs(traj, rewards))
     self.kl_coef = out.kl_coef if out.kl_coef is not None else self.kl_coef
@@ -340,7 +346,7 @@ class RLJob(Job):
   def sampling_metrics(self, rollout: sources.Rollout, traj: Any) -> dict:
     gen_tokens = int(np.asarray(traj.response_mask_bt).sum())
     out = {"throughput/sample_tokens_per_s": gen_tokens / max(rollout.sample_seconds, 1e-9),
-           "time/sample_s": rollout.sample_seconds, **self.score.runner_metrics()}
+           "time/sample_s": rollout.sample_seconds, **self.score.runner_metrics(), **self.eval_rewards.metrics}
     if self.config.data.curate:
       out.update(self.prompts.metrics())
     return out
@@ -405,7 +411,10 @@ class RLJob(Job):
     return {"final_accuracy": final["eval/accuracy"], f"final_pass@{k}": final[f"eval/pass@{k}"],
             "warm_start_accuracy": (self.progress.warm_start or {}).get("eval/accuracy"),
             "rl_steps": self.progress.step, "alerts": dict(self.alerts.counts),
+            "rewards": {**self.score.runner_metrics(), **self.eval_rewards.metrics},
+            "sampler_pool": pool.stats.as_metrics() if (pool := getattr(self.source, "pool", None)) else None,
             "guard_rollbacks": self.guard_hook.guard.state.rollbacks if self.guard_hook is not None else 0,
+            "long_prompts": self.long_prompts,
             "controller": self.controller.get_state() if self.controller is not None else None}
 
   def headline(self, summary: dict) -> str:

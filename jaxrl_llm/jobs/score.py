@@ -1,8 +1,10 @@
 """The score stage of an RL step: sequence rewards of the sampled responses.
 
 ``rewards = clip(rule_weight * task reward + rm_weight * processed RM score)``
-where the task's rule reward runs in a guarded runner (timeouts and exceptions
-score 0 and are counted; :class:`jaxrl_llm.tasks.RewardRunner`), the reward
+where the task's rule reward runs in a guarded runner (:func:`reward_runner`: a
+pool of worker processes; timeouts, exceptions, crashes and memory errors score 0
+and are counted, and a reward that fails on most calls for ``reward.failure_steps``
+steps stops the run: :meth:`RewardStage.end_step`), the reward
 model's score is processed as configured (:class:`jaxrl_llm.reward_model.SequenceRewards`:
 no-EOS penalty, reference baseline, running z-score, clip), and without a
 reward model the rule reward is the reward. ``advantage.reward_clip`` clips the
@@ -15,12 +17,20 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from jaxrl_llm.tasks import RewardRunner, reward_runner as reward_runner_lib
 from jaxrl_llm.types import Trajectory
 
-__all__ = ["RewardStage", "RUNNER_COUNTERS"]
+__all__ = ["RewardStage", "RUNNER_COUNTERS", "reward_runner"]
 
 # RewardRunner counters saved with the run's progress (cumulative over the whole run).
-RUNNER_COUNTERS = ("calls", "failures", "timeouts", "nonfinite", "worker_restarts", "seconds")
+RUNNER_COUNTERS = reward_runner_lib.COUNTERS
+
+
+def reward_runner(fn: Callable[[Any, str], float], settings: Any, name: str = "task") -> RewardRunner:
+  """The guarded runner of ``fn`` configured by ``config.reward`` (a ``RewardSettings``)."""
+  return RewardRunner(fn, name=name, mode=settings.mode, timeout_s=settings.timeout_s, workers=settings.workers,
+                      memory_mb=settings.memory_mb, cpu_seconds=settings.cpu_seconds,
+                      max_failure_share=settings.max_failure_share, failure_steps=settings.failure_steps)
 
 
 class RewardStage:
@@ -64,14 +74,18 @@ class RewardStage:
     """The rule-reward runner's cumulative counters (``reward/task/*``)."""
     return self.runner.metrics
 
+  def end_step(self) -> None:
+    """Ends one RL step's window of reward calls (raises ``RewardFailureError`` after too many failing steps)."""
+    self.runner.end_step()
+
   def get_state(self) -> dict:
-    state = {"runner": {k: getattr(self.runner, k) for k in RUNNER_COUNTERS}}
+    state = {"runner": self.runner.get_state()}
     if self.sequence_rewards is not None:
       state["reward_model"] = self.sequence_rewards.get_state()
     return state
 
   def set_state(self, state: dict) -> None:
-    for name, value in state.get("runner", {}).items():
-      setattr(self.runner, name, value)  # a resumed run logs the counts an uninterrupted one would
+    # a resumed run logs the counts an uninterrupted one would (counters an older checkpoint lacks stay 0)
+    self.runner.set_state(state.get("runner", {}))
     if self.sequence_rewards is not None:
       self.sequence_rewards.set_state(state.get("reward_model"))

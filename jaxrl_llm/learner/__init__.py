@@ -13,7 +13,9 @@ each module is imported on first use):
   sft         supervised fine-tuning batches and step (warm start, RFT).
   rft         rejection-sampling fine-tuning (best of K samples -> SFT).
   rl_step     the pure, jitted RL update (objective chain, policy and critic).
-  checkpoint  orbax checkpoints of the run state, automatic resume.
+  checkpoint  orbax checkpoints of the run state: finite only, verified by a
+              manifest, atomically replaced, with fallback to the previous one.
+  manifest    the sha256 manifest of a checkpoint folder and its check.
   builders    run config -> model, params, optimizers, objective.
 
 The run itself (the job that drives these pieces) lives above this layer.
@@ -22,7 +24,8 @@ The run itself (the job that drives these pieces) lives above this layer.
 import importlib
 from typing import Any
 
-__all__ = ["builders", "checkpoint", "mesh", "multihost", "optim", "rft", "rl_step", "sft", "state", "update"]
+__all__ = ["builders", "checkpoint", "manifest", "mesh", "multihost", "optim", "rft", "rl_step", "sft", "state",
+           "update"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from jaxrl_llm import bridge, models, objectives as O
+from jaxrl_llm import bridge, models, objectives as O, settings as settings_lib
 from jaxrl_llm.bridge.safetensors_io import SafetensorsCheckpoint
 from jaxrl_llm.diagnostics import control
 from jaxrl_llm.learner import optim
@@ -139,7 +139,7 @@ def unknown_kwargs(path: str, kwargs: Mapping[str, Any], fn: Callable, what: str
   """Errors for keys of ``kwargs`` that ``fn`` does not take, each naming ``<path>.<key>`` and what ``fn`` takes."""
   accepted = parameters(fn)
   return [f"{path}.{k}={v!r}: not a parameter of {what} (it takes: {', '.join(accepted) or 'nothing'})"
-          for k, v in kwargs.items() if k not in accepted]
+          f"{settings_lib.did_you_mean(k, accepted)}" for k, v in kwargs.items() if k not in accepted]
 
 
 class _RecipeDefault:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.models.sharding import batch_sharding  # the batch layout of the logical-axis table
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -26,26 +27,26 @@ def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int,
   """Turns ``{'data': -1, 'fsdp': 1, 'tensor': 1}`` into concrete sizes.
 
   Raises:
-    ValueError: naming the field (``learner.mesh.<axis>``) when sizes are not
+    ConfigError (a ValueError): naming the field (``learner.mesh.<axis>``) when sizes are not
       positive or -1, more than one is -1, or the product exceeds the devices.
   """
   unknown = set(sizes) - set(MESH_AXES)
   if unknown:
-    raise ValueError(f"learner.mesh: unknown axes {sorted(unknown)}; expected {MESH_AXES}")
+    raise ConfigError(f"learner.mesh: unknown axes {sorted(unknown)}; expected {MESH_AXES}")
   shape = [int(sizes.get(a, 1)) for a in MESH_AXES]
   for axis, n in zip(MESH_AXES, shape):
     if n == 0 or n < -1:
-      raise ValueError(f"learner.mesh.{axis}={n}: expected a positive size or -1 (fill)")
+      raise ConfigError(f"learner.mesh.{axis}={n}: expected a positive size or -1 (fill)")
   if shape.count(-1) > 1:
-    raise ValueError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: at most one axis may be -1")
+    raise ConfigError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: at most one axis may be -1")
   known = int(np.prod([n for n in shape if n != -1]))
   if -1 in shape:
     if num_devices % known:
-      raise ValueError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: {num_devices} devices "
+      raise ConfigError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: {num_devices} devices "
                        f"are not divisible by the fixed axes' product {known}")
     shape[shape.index(-1)] = num_devices // known
   if int(np.prod(shape)) > num_devices:
-    raise ValueError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: product {int(np.prod(shape))} "
+    raise ConfigError(f"learner.mesh={dict(zip(MESH_AXES, shape))}: product {int(np.prod(shape))} "
                      f"> number of devices {num_devices}")
   return tuple(shape)  # type: ignore[return-value]
 
@@ -81,13 +82,13 @@ def check_grad_atoms(mesh: Mesh, atoms: int, batch_axes: Sequence[str] = BATCH_A
   number of batch shards (``data * fsdp``).
 
   Raises:
-    ValueError: naming ``learner.grad_atoms`` and ``learner.mesh``.
+    ConfigError (a ValueError): naming ``learner.grad_atoms`` and ``learner.mesh``.
   """
   shards = int(np.prod([mesh.shape[a] for a in batch_axes if a in mesh.axis_names]))
   if atoms < 1 or atoms & (atoms - 1):
-    raise ValueError(f"learner.grad_atoms={atoms}: expected a power of two (the gradient tree is pairwise)")
+    raise ConfigError(f"learner.grad_atoms={atoms}: expected a power of two (the gradient tree is pairwise)")
   if atoms % shards:
-    raise ValueError(f"learner.grad_atoms={atoms}: expected a multiple of the mesh's batch shards "
+    raise ConfigError(f"learner.grad_atoms={atoms}: expected a multiple of the mesh's batch shards "
                      f"{'*'.join(batch_axes)}={shards} (learner.mesh={dict(mesh.shape)}); every device "
                      "holds whole atoms")
   return atoms // shards

@@ -9,8 +9,8 @@ two mechanics, kept here once:
   micro-batch must already be divided by the *global* normaliser (the whole
   batch's token count, sequence count, ...), so the micro-batch losses add up to
   the full-batch loss.
-* :func:`guarded_apply` applies the optimizer only when loss and gradients are
-  finite. A non-finite step leaves params and optimizer state untouched, does
+* :func:`guarded_apply` applies the optimizer only when the loss, the gradients
+  and the updated parameters and optimizer state are all finite. A non-finite step leaves params and optimizer state untouched, does
   not bump the policy version, and reports ``update/skipped_nonfinite = 1``; the
   loop counts consecutive skips and stops the run after too many.
 
@@ -345,21 +345,24 @@ def all_finite(*trees: Any) -> jax.Array:
 
 def guarded_apply(params: Any, opt_state: Any, grads: Any, loss: jax.Array,
                   optimizer: optax.GradientTransformation) -> tuple[Any, Any, jax.Array, dict]:
-  """One optimizer step, skipped (state unchanged) if loss or grads are not finite.
+  """One optimizer step, skipped (state unchanged) if the loss, the gradients or the new state are not finite.
 
   Returns:
     (params, opt_state, applied bool scalar, metrics) with metrics
     ``grad_norm``, ``update/skipped_nonfinite`` and ``update/param_norm``.
   """
-  finite = all_finite(grads, loss)
-  safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+  finite_inputs = all_finite(grads, loss)
+  safe_grads = jax.tree.map(lambda g: jnp.where(finite_inputs, g, 0.0), grads)
   updates, new_opt = optimizer.update(safe_grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
+  # Finite gradients can still give non-finite weights (an infinite learning rate, an overflow in
+  # the optimizer's moments): the new state is accepted only when it is finite too.
+  finite = finite_inputs & all_finite(new_params, new_opt)
   keep = lambda new, old: jnp.where(finite, new, old)
   params = jax.tree.map(keep, new_params, params)
   opt_state = jax.tree.map(keep, new_opt, opt_state)
   metrics = {
-      "grad_norm": jnp.where(finite, optax.tree.norm(grads), jnp.nan),
+      "grad_norm": jnp.where(finite_inputs, optax.tree.norm(grads), jnp.nan),
       "update/skipped_nonfinite": 1.0 - finite.astype(jnp.float32),
       "update/param_norm": optax.tree.norm(params),
   }

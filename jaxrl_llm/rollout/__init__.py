@@ -6,7 +6,8 @@
   pool       SamplerPool: N actors, FIFO dispatch, validation, fault handling, weight publishing
   repair     RepairBook: hold a chunk with bad rows, re-sample each row alone, merge them back
   pipeline   PipelineFeeder: dispatch ahead of the learner within a staleness bound k
-  cluster    ensure_ray: join a cluster or start one on loopback
+  cluster    ensure_ray: join a cluster or start one on loopback; the actors' driver watchdog
+  reaper     ends a local cluster's processes when its driver dies (a stdlib-only process)
 
 Ray is imported lazily (inside the pool and actor factories), so importing this
 package does not start or require a cluster.

@@ -45,6 +45,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from jaxrl_llm.rollout.cluster import watch_driver
 from jaxrl_llm.rollout.schema import SCHEMA_VERSION, RolloutChunk, WorkItem
 from jaxrl_llm.rollout.segments import generate_in_segments
 
@@ -103,9 +104,13 @@ class SamplerWorker:
     params: initial weights (host numpy pytree).
     version: their policy version.
     sampler_id: a name for logs and fault accounting.
+
+  In an actor of the local cluster, a watchdog thread ends the process when the driver
+  is gone (:func:`~jaxrl_llm.rollout.cluster.watch_driver`).
   """
 
   def __init__(self, spec: SamplerSpec, params: Any, version: int, sampler_id: str):
+    watch_driver()
     if spec.platform and spec.kind == "jax":
       os.environ.setdefault("JAX_PLATFORMS", spec.platform)
     self.spec = spec

@@ -1,9 +1,16 @@
 """Prompts from a JSONL file (GSM8K-style ``{"question": ..., "answer": ...}`` rows).
 
 Rows are read and validated once at construction; a bad row is an error that names the
-file, the 1-based line number and the problem (invalid JSON, not an object, missing or
-non-text field, no extractable final answer). Blank lines are skipped; a file with no
-rows is an error.
+file, the 1-based line number and the problem (bytes that are not UTF-8, invalid JSON, not
+an object, missing or non-text field, no extractable final answer). Blank lines are
+skipped; a file with no rows is an error. Whether each row fits the model's context is
+checked when a job starts (``data.long_prompts``, :mod:`jaxrl_llm.jobs.prompt_check`,
+through :meth:`JsonlTask.examples` and :meth:`JsonlTask.with_examples`), since only the
+job knows the tokenizer and the context.
+
+Command-line values: ``--config.task.kwargs.<name>=<value>`` parses the value as a Python
+literal, so a text option given a number-like value (``split_salt=2024``) is converted back
+to text, and an empty ``eval_path`` means none.
 
 Held-out split: by the salted hash of the whitespace-normalised prompt field (so
 duplicate questions fall on the same side), or, with ``eval_path``, the rows of that
@@ -23,18 +30,21 @@ or cut short (``truncated``); with the exact verifier, the text kinds of
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
 import math
 import re
-from typing import Any, ClassVar, Iterator, Mapping, Optional
+from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence
 
 from jaxrl_llm.tasks import base, math_verify, pairs
 
 VERIFIERS = ("math", "exact")
 MATH_PAIR_KINDS = ("wrong_answer", "truncated")
 _TRAILING_NUMBER_RE = re.compile(r"(-?\d+(?:\.\d+)?)\s*$")
+_TEXT_FIELDS = ("path", "prompt_field", "answer_field", "prompt_template", "eval_path", "split_salt",
+                "difficulty_field")
 
 
 def _order(n: int, *key: Any) -> list[int]:
@@ -55,11 +65,19 @@ def _key(prompt: str) -> str:
 def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
   """``(line number, row)`` of every non-blank line of a JSONL file, each a JSON object.
 
+  The file is UTF-8 (a byte-order mark on the first line is accepted); each line is
+  decoded on its own, so an undecodable byte is reported with its line.
+
   Raises:
-    ValueError: ``path:line: ...`` for a line that is not valid JSON or not an object.
+    ValueError: ``path:line: ...`` for a line that is not UTF-8, not valid JSON or not an object.
   """
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line: "
+                         f"{e.reason}); re-encode the file as UTF-8") from None
       if not line.strip():
         continue
       try:
@@ -69,6 +87,7 @@ def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
       if not isinstance(row, dict):
         raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
       yield lineno, row
+
 
 @dataclasses.dataclass(frozen=True)
 class JsonlTask(base.Task):
@@ -84,7 +103,8 @@ class JsonlTask(base.Task):
       ``math_verify``) or ``"exact"`` (response and answer equal after stripping
       surrounding whitespace).
     eval_fraction: share of distinct prompts held out (ignored with ``eval_path``).
-    eval_path: optional JSONL file with the same fields used as the held-out set.
+    eval_path: optional JSONL file with the same fields used as the held-out set (None or
+      empty: split ``path`` by ``eval_fraction``).
     split_salt: salt of the held-out hash.
     rel_tol: relative tolerance of the math verifier.
     percent: percent mode of the math verifier (``"strip"`` or ``"either"``).
@@ -113,6 +133,12 @@ class JsonlTask(base.Task):
   _alphabet: str = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
+    for name in _TEXT_FIELDS:  # a number-like text given on the command line arrives as a number
+      value = getattr(self, name)
+      if isinstance(value, (int, float)) and not isinstance(value, bool):
+        object.__setattr__(self, name, str(value))
+    if self.eval_path == "":  # --config.task.kwargs.eval_path= (empty): no held-out file
+      object.__setattr__(self, "eval_path", None)
     if not self.path:
       raise ValueError("jsonl.path is required (a JSONL file of prompts)")
     if self.verifier not in VERIFIERS:
@@ -206,6 +232,22 @@ class JsonlTask(base.Task):
   def pair_kinds(self) -> tuple[str, ...]:
     """``MATH_PAIR_KINDS`` with the math verifier, else the text kinds."""
     return MATH_PAIR_KINDS if self.verifier == "math" else pairs.TEXT_PAIR_KINDS
+
+  def examples(self) -> tuple[tuple[base.Example, ...], tuple[base.Example, ...]]:
+    """The training and the held-out rows, in file order (what start-up checks go through)."""
+    return self._train, self._eval
+
+  def with_examples(self, train: Sequence[base.Example], held_out: Sequence[base.Example]) -> "JsonlTask":
+    """A copy of this task with other training and held-out rows (a subset of :meth:`examples`,
+    possibly with shortened prompts); the held-out split keys are kept, so a dropped held-out
+    row's prompt still never trains."""
+    if not train:
+      raise ValueError(f"{self.path}: no training rows left")
+    task = copy.copy(self)
+    object.__setattr__(task, "_train", tuple(train))
+    object.__setattr__(task, "_eval", tuple(held_out))
+    object.__setattr__(task, "_orders", {})
+    return task
 
   @property
   def num_train(self) -> int:

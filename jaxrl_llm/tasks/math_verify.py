@@ -19,17 +19,26 @@ Normalisation: ``$`` and ``\\$``, thousands commas (``1,234``, LaTeX ``1{,}234``
 convention where gold answers are bare numbers) ``50%`` means 50; with
 ``percent="either"`` it matches 50 or 0.5.
 
+Bounded work. A model's answer is untrusted text, and exact rationals of it can be
+astronomically large (``1e99999999999`` is 10^(10^11)). Before converting, a number
+written with more than ``MAX_DIGITS`` (1000) digits or an exponent of more than
+``MAX_EXPONENT`` (1000) in absolute value is *not a number*: it matches only an
+identical (normalised) string, so as a prediction against a numeric gold answer it is
+simply wrong. Comparisons are exact (no float conversion, which overflows above 1e308),
+so every call finishes quickly and never raises for any response text.
+
 This is our own implementation; the ``math-verify`` package is not a dependency.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from fractions import Fraction
 from typing import Optional
 
 PERCENT_MODES = ("strip", "either")
+MAX_DIGITS = 1000  # more digits than this in one number: not a number (bounded work)
+MAX_EXPONENT = 1000  # |exponent| above this (as in 1e1001): not a number
 
 _NUMBER = (r"(?:(?<![\w.)])-\s*)?\$?\s*"
            r"(?:\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|\\[dt]?frac\d\d"
@@ -110,10 +119,22 @@ def _clean(text: str) -> str:
   return text
 
 
+def _plain_fraction(text: str) -> Optional[Fraction]:
+  """``Fraction(text)`` of a plain decimal, or None when it is too long or its exponent too large."""
+  mantissa, _, exponent = text.lower().partition("e")
+  if sum(ch.isdigit() for ch in mantissa) > MAX_DIGITS:
+    return None
+  if exponent:
+    digits = exponent.lstrip("+-").lstrip("0")
+    if len(digits) > len(str(MAX_EXPONENT)) or int(digits or "0") > MAX_EXPONENT:
+      return None
+  return Fraction(text)
+
+
 def _to_fraction(text: str) -> Optional[Fraction]:
   text = text.replace(" ", "")
   if _PLAIN_RE.match(text):
-    return Fraction(text)
+    return _plain_fraction(text)
   for pattern in (_FRAC_RE, _FRAC_SHORT_RE):
     m = pattern.match(text)
     if m:
@@ -157,9 +178,10 @@ def _normalise_text(text: str) -> str:
 
 
 def _close(a: Fraction, b: Fraction, rel_tol: float, abs_tol: float) -> bool:
+  """``math.isclose`` in exact arithmetic (no float overflow for numbers above 1e308)."""
   if a == b:
     return True
-  return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=abs_tol)
+  return abs(a - b) <= max(Fraction(rel_tol) * max(abs(a), abs(b)), Fraction(abs_tol))
 
 
 def answers_match(pred: Optional[str], gold: Optional[str], *, rel_tol: float = 1e-6,

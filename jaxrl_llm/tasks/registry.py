@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from jaxrl_llm.errors import ConfigError
+from jaxrl_llm.settings import did_you_mean
 from jaxrl_llm.tasks import base
 from jaxrl_llm.tasks.addition import AdditionTask
 from jaxrl_llm.tasks.countdown import CountdownTask
@@ -46,10 +48,11 @@ def task_factory(name: str) -> Callable[..., base.Task]:
   """The factory registered under ``name`` (what ``get_task(name, **kwargs)`` calls).
 
   Raises:
-    ValueError: for an unknown name, listing the known ones.
+    ConfigError (a ValueError): for an unknown name, listing the known ones.
   """
   if name not in _REGISTRY:
-    raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}")
+    raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}"
+                      f"{did_you_mean(name, list_tasks())}")
   return _REGISTRY[name]
 
 
@@ -64,16 +67,19 @@ def get_task(name: str, **kwargs: Any) -> base.Task:
     The task.
 
   Raises:
-    ValueError: for an unknown name (listing the known ones) or an unknown field
-      (listing the accepted ones).
+    ConfigError (a ValueError): for an unknown name (listing the known ones), an
+      unknown field (listing the accepted ones), or arguments or data the task rejects.
   """
   factory = task_factory(name)
   if dataclasses.is_dataclass(factory):
     fields = [f.name for f in dataclasses.fields(factory) if f.init]
     unknown = sorted(set(kwargs) - set(fields))
     if unknown:
-      raise ValueError(f"task {name!r} has no field(s) {unknown}; accepted fields: {fields}")
-  return factory(**kwargs)
+      raise ConfigError(f"task {name!r} has no field(s) {unknown}; accepted fields: {fields}")
+  try:
+    return factory(**kwargs)
+  except (TypeError, ValueError, OSError) as e:  # a rejected argument, malformed data, a missing file
+    raise ConfigError(f"task {name!r} (task.kwargs={kwargs}): {e}") from e
 
 
 __all__ = ["DEFAULT_TASK", "get_task", "list_tasks", "register_task", "task_factory",
