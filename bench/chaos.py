@@ -23,8 +23,8 @@ against the binomial standard error of the evaluation, sqrt(p (1 - p) / eval_siz
 
 Usage::
 
-  python -m bench.chaos                        # 150 RL steps, 2 % hangs, 2 % raises, kill at step 30
-  python -m bench.chaos --steps 300 --timeout 0.5
+  python -m bench.chaos                        # 60 RL steps, 2 % hangs, 2 % raises, kill at step 20
+  python -m bench.chaos --steps 300 --timeout 1.0
 
 The last line printed is one JSON object with every figure.
 """
@@ -32,42 +32,15 @@ The last line printed is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
-import random
 import tempfile
-import time
 
+import bench.faulty_reward  # noqa: F401  # pylint: disable=unused-import  (registers the task "faulty_addition")
 from bench.common import QuietWindow, default_job_config, dispatch_worker, emit, run_worker
-from jaxrl_llm.tasks import register_task
-from jaxrl_llm.tasks.addition import AdditionTask
 
 
-@dataclasses.dataclass(frozen=True)
-class FaultyAdditionTask(AdditionTask):
-  """Addition whose reward hangs on ``hang_rate`` and raises on ``raise_rate`` of training calls.
-
-  Held-out examples (``is_eval``) are always scored normally. The draws use the reward
-  worker process's own random state: which calls fail differs from run to run.
-  """
-
-  hang_rate: float = 0.0
-  raise_rate: float = 0.0
-
-  def reward(self, example, response: str) -> float:
-    if not self.is_eval(example):
-      u = random.random()
-      if u < self.hang_rate:
-        while True:  # a hang: only killing the process ends it
-          time.sleep(3600)
-      if u < self.hang_rate + self.raise_rate:
-        raise RuntimeError("injected reward fault")
-    return super().reward(example, response)
-
-
-register_task("faulty_addition", FaultyAdditionTask)
 
 
 def _kill_one_actor_at(step: int):
@@ -113,13 +86,13 @@ def worker(args) -> dict:
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=150)
-  parser.add_argument("--eval-every", type=int, default=50)
+  parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument("--eval-every", type=int, default=20)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--timeout", type=float, default=1.0, help="reward.timeout_s of both runs")
+  parser.add_argument("--timeout", type=float, default=0.25, help="reward.timeout_s of both runs")
   parser.add_argument("--hang", type=float, default=0.02)
   parser.add_argument("--raise", dest="raise_", type=float, default=0.02)
-  parser.add_argument("--kill-at", type=int, default=30)
+  parser.add_argument("--kill-at", type=int, default=20)
   parser.add_argument("--out", default="")
   parser.add_argument("--worker", default="")
   args = parser.parse_args(argv)

@@ -89,23 +89,45 @@ def test_a_finite_update_is_applied():
 # ---------------------------------------------------------------------------- usage errors
 
 
-def _train(*flags, env=None):
+def _train(*flags):
   """Starts ``python -m launch.train`` with ``flags`` (not waited for)."""
   environment = {k: v for k, v in os.environ.items() if k != "JAXRL_VERBOSE"}
-  environment.update(env or {})
   return subprocess.Popen([sys.executable, "-m", "launch.train", *flags], cwd=ROOT, env=environment,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+# One case per path an input error takes through the command line: flag parsing, validation,
+# job construction, loading the config file. (Validation's messages themselves are tested in
+# process below and in test_learner_config.py.)
 USAGE_CASES = {
     "unknown field": (["--config.rl.stepz=5"], ["config field 'rl.stepz' does not exist", "did you mean 'rl.steps'?"]),
     "unknown recipe": (["--config.objective.recipe=grpoo"], ["objective.recipe='grpoo'", "did you mean 'grpo'?"]),
-    "unknown task": (["--config.task.name=additon"], ["task.name='additon'", "did you mean 'addition'?"]),
-    "bad task argument": (["--config.task.kwargs.max_digits=-3"], ["task 'addition'", "max_digits", "got -3"]),
     "mesh larger than the machine": (["--config.learner.mesh.data=64"], ["learner.mesh=", "number of devices"]),
-    "bad value type": (["--config.rl.steps=many"], ["--config.rl.steps=many"]),
     "missing config file": (["--config=/nonexistent/config.py"], ["/nonexistent/config.py"]),
 }
+
+
+def test_validation_names_the_closest_task_recipe_and_argument():
+  config = configuration.base_config()
+  config.task.name = "additon"
+  config.objective.kwargs = {"epz": 0.2}
+  with pytest.raises(configuration.ConfigError) as e:
+    configuration.validate(config)
+  assert "task.name='additon'" in str(e.value) and "did you mean 'addition'?" in str(e.value)
+  config = configuration.base_config()
+  config.objective.kwargs = {"epz": 0.2}
+  with pytest.raises(configuration.ConfigError, match=r"objective.kwargs.epz=0.2: not a parameter .*did you mean 'eps'\?"):
+    configuration.validate(config)
+
+
+def test_a_task_that_rejects_its_arguments_or_data_is_a_config_error(tmp_path):
+  from jaxrl_llm import errors, tasks  # pylint: disable=import-outside-toplevel
+  with pytest.raises(errors.ConfigError, match=r"task 'addition' .*max_digits"):
+    tasks.get_task("addition", max_digits=-3)
+  with pytest.raises(errors.ConfigError, match=r"task 'jsonl' .*missing.jsonl"):
+    tasks.get_task("jsonl", path=str(tmp_path / "missing.jsonl"))
+  with pytest.raises(errors.ConfigError, match="did you mean 'sorting'"):
+    tasks.get_task("sortin")
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +136,6 @@ def usage_runs(tmp_path_factory):
   run_dir = str(tmp_path_factory.mktemp("usage"))
   procs = {name: _train(*flags, f"--run_dir={run_dir}/{i}") for i, (name, (flags, _)) in enumerate(USAGE_CASES.items())}
   procs["verbose"] = _train("--config.objective.recipe=grpoo", "--verbose", f"--run_dir={run_dir}/v")
-  procs["verbose by environment"] = _train("--config.objective.recipe=grpoo", f"--run_dir={run_dir}/e",
-                                           env={"JAXRL_VERBOSE": "1"})
   return {name: (p.wait(timeout=600), *p.communicate()) for name, p in procs.items()}
 
 
@@ -132,8 +152,18 @@ def test_usage_errors_are_one_paragraph_and_exit_2(usage_runs, case):
   assert "--verbose" in stderr
 
 
-@pytest.mark.parametrize("case", ["verbose", "verbose by environment"])
-def test_verbose_shows_the_traceback(usage_runs, case):
-  status, _, stderr = usage_runs[case]
+def test_verbose_shows_the_traceback(usage_runs):
+  status, _, stderr = usage_runs["verbose"]
   assert status == 2
   assert "Traceback" in stderr and "did you mean 'grpo'?" in stderr
+
+
+def test_verbose_is_read_from_the_flag_or_the_environment(monkeypatch):
+  from launch import cli  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("JAXRL_VERBOSE", raising=False)
+  assert not cli.verbose(["train.py", "--config.rl.steps=3"])
+  assert cli.verbose(["train.py", "--verbose"])
+  monkeypatch.setenv("JAXRL_VERBOSE", "1")
+  assert cli.verbose(["train.py"])
+  monkeypatch.setenv("JAXRL_VERBOSE", "0")
+  assert not cli.verbose(["train.py"])
