@@ -19,9 +19,9 @@ Modes (``config.reward.mode``):
   or runs out of memory is replaced. Workers run under ``memory_mb`` of address space
   and ``cpu_seconds`` of CPU time per call (``resource.setrlimit``). ``fn`` must be
   picklable (a module-level function, or a bound method of a picklable object such as
-  a task: ``task.reward``). Cost (measured on a loaded 2-core machine): ~10 ms for the
-  default job's batch of 128 addition rewards over 2 workers, against ~1 ms inline; a
-  replaced worker starts in ~0.35 s (importing NumPy), which no call's deadline pays.
+  a task: ``task.reward``). Cost (``python -m bench.reward_pool``, quiet 2-core machine):
+  ~19 ms for the default job's batch of 512 addition rewards over 2 workers, against ~4 ms
+  inline; a replaced worker starts in ~0.35 s (importing NumPy), which no call's deadline pays.
 * ``"inline"``. Calls run in the caller's thread: fastest, for trusted rewards only; an
   overrun is detected after the call returns (scored 0, counted as a timeout) and a
   call that never returns hangs the run.
