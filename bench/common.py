@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from jaxrl_llm.rollout import reaper
+
 
 def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:
   """Wall-clock seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls.
@@ -51,33 +53,15 @@ def timing_stats(seconds: Sequence[float]) -> dict[str, float]:
           "min_s": min(seconds), "max_s": max(seconds), "n": len(seconds)}
 
 
-def _proc_stat_fields(pid: int) -> Optional[list[str]]:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      text = f.read()
-  except OSError:
-    return None
-  return text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-
-
 def own_tree_jiffies(root_pid: Optional[int] = None) -> int:
   """CPU time (clock ticks) of ``root_pid`` and every live descendant, counting the reaped children
   of each (cutime/cstime): the benchmark's own work, Ray workers and reward workers included."""
   root_pid = root_pid or os.getpid()
-  parent, times = {}, {}
-  for name in os.listdir("/proc"):
-    if name.isdigit():
-      fields = _proc_stat_fields(int(name))
-      if fields is not None:
-        parent[int(name)] = int(fields[1])
-        times[int(name)] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
   total = 0
-  for pid, ticks in times.items():
-    p = pid
-    while p not in (0, 1) and p != root_pid:
-      p = parent.get(p, 0)
-    if p == root_pid:
-      total += ticks
+  for pid in [root_pid, *reaper.descendants([root_pid])]:
+    fields = reaper.stat_fields(pid)  # after "pid (comm) ": state, ppid, ...
+    if fields is not None:
+      total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
   return total
 
 

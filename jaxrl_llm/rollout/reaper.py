@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 POLL_S = 1.0
 
 
-def _stat_fields(pid: int) -> Optional[list[str]]:
+def stat_fields(pid: int) -> Optional[list[str]]:
   """Fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
   try:
     with open(f"/proc/{pid}/stat", "rb") as f:
@@ -42,7 +42,7 @@ def _stat_fields(pid: int) -> Optional[list[str]]:
 
 def identity(pid: int) -> Optional[str]:
   """``"pid:start_ticks"`` of a live (not zombie) process, or None."""
-  fields = _stat_fields(pid)
+  fields = stat_fields(pid)
   if fields is None or fields[0] in ("Z", "X"):
     return None
   return f"{pid}:{fields[19]}"
@@ -58,7 +58,7 @@ def children_map() -> dict[int, list[int]]:
   out: dict[int, list[int]] = {}
   for name in os.listdir("/proc"):
     if name.isdigit():
-      fields = _stat_fields(int(name))
+      fields = stat_fields(int(name))
       if fields is not None:
         out.setdefault(int(fields[1]), []).append(int(name))
   return out
