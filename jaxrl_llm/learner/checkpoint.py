@@ -200,14 +200,13 @@ class Checkpointer:
 
   # ------------------------------------------------------------------ save
 
-  def save(self, step: int, state: Any, extra: dict, config: Optional[dict] = None, force: bool = True) -> None:
+  def save(self, step: int, state: Any, extra: dict, config: Optional[dict] = None) -> None:
     """Saves synchronously, verified and atomically; a checkpoint already at ``step`` is replaced.
 
     Raises:
       OSError: the folder is not writable (probed first, naming it).
       NonFiniteStateError: ``state`` holds NaN or inf (nothing is written).
     """
-    del force  # a checkpoint at the same step is always replaced (atomically)
     check_writable(self.directory, "checkpoint folder")
     if not is_finite(state):
       raise NonFiniteStateError(f"the state at step {step} holds NaN or inf; checkpoint not written")
