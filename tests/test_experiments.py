@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from test_determinism import REPO, cache_env, compile_cache  # noqa: E402,F401
 
 from jaxrl_llm import experiments  # noqa: E402
 from jaxrl_llm.configuration import ConfigError  # noqa: E402
+from jaxrl_llm.experiments.definition import addresses_for  # noqa: E402
 
 TINY_RUN = '''
 """Tiny default-path run of the experiment tests."""
@@ -110,20 +112,240 @@ def test_local_eps_sweep_writes_each_work_unit_to_its_own_folder(tmp_path, confi
   assert [u["directory"] for u in index["work_units"]] == folders
 
 
-def test_job_specs_of_a_multi_host_work_unit_with_sampler_nodes(tmp_path, config_file):
+def _no_free_port() -> int:
+  raise AssertionError("an explicit address was given: no free port may be picked")
+
+
+def _ports(start: int = 7000):
+  """A stand-in for ``local.free_port``: 7000, 7001, ..."""
+  ports = iter(range(start, start + 100))
+  return lambda: next(ports)
+
+
+CLUSTER_HEAD = "sampler-0.cluster:6379"
+VLLM_TP2 = {"sampler.kind": "vllm", "sampler.vllm.tensor_parallel_size": 2, "rollout.num_samplers": 8,
+            "rollout.weight_transport": "ipc", "rollout.max_lag": 2}
+
+
+def test_job_specs_of_a_multi_host_work_unit(tmp_path, config_file):
   exp = experiments.Experiment(name="big", config=config_file, root=str(tmp_path), learner_processes=2,
-                               devices_per_process=4, samplers=2, sweep=[{"objective.kwargs.eps": 0.2}])
+                               devices_per_process=4, sweep=[{"objective.kwargs.eps": 0.2}])
   (unit,) = experiments.plan(exp)
-  jobs = unit.jobs(experiments.Addresses(coordinator="127.0.0.1:7000", ray_head="127.0.0.1:7001"))
-  assert [j.name for j in jobs] == ["sampler_0", "sampler_1", "learner_0", "learner_1"]
-  assert jobs[0].args[:3] == ("start", "--head", "--port=7001") and "--block" in jobs[0].args
-  assert "--address=127.0.0.1:7001" in jobs[1].args
-  learner = jobs[3].args
-  for flag in ("--config.objective.kwargs.eps=0.2", "--config.rollout.mode=pipeline",
-               "--config.rollout.address=127.0.0.1:7001", f"--run_dir={unit.directory}", "--process_id=1",
-               "--coordinator_address=127.0.0.1:7000"):
+  addresses = addresses_for(exp, _ports())
+  assert addresses == experiments.Addresses(coordinator="127.0.0.1:7000", ray_head="")
+  jobs = unit.jobs(addresses)
+  assert [j.name for j in jobs] == ["learner_0", "learner_1"]
+  learner = jobs[1].args
+  for flag in ("--config.objective.kwargs.eps=0.2", f"--run_dir={unit.directory}", "--num_processes=2",
+               "--process_id=1", "--coordinator_address=127.0.0.1:7000"):
     assert flag in learner, flag
+  assert not any("rollout" in a for a in learner)
+  assert jobs[1].env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+  cluster = dataclasses.replace(exp, coordinator="learner-0.cluster:8476")
+  assert addresses_for(cluster, _no_free_port).coordinator == "learner-0.cluster:8476"
   assert not os.path.exists(unit.directory)  # planning writes nothing
+
+
+def test_local_sampler_nodes_bind_loopback_on_every_node(tmp_path, config_file):
+  exp = experiments.Experiment(name="local", config=config_file, root=str(tmp_path), samplers=2, sampler_cpus=2,
+                               sweep=[{"objective.kwargs.eps": 0.2}])
+  (unit,) = experiments.plan(exp)
+  addresses = addresses_for(exp, _ports(7001))
+  assert addresses == experiments.Addresses(coordinator="", ray_head="127.0.0.1:7001")
+  jobs = unit.jobs(addresses)
+  assert [j.name for j in jobs] == ["sampler_0", "sampler_1", "learner_0"]
+  head, node, learner = (j.args for j in jobs)
+  assert head == ("start", "--head", "--port=7001", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+                  "--include-dashboard=false", "--num-cpus=2", "--num-gpus=0", "--block", "--disable-usage-stats")
+  assert node == ("start", "--address=127.0.0.1:7001", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+                  "--num-gpus=0", "--block", "--disable-usage-stats")
+  for flag in ("--config.objective.kwargs.eps=0.2", "--config.rollout.mode=pipeline",
+               "--config.rollout.address=127.0.0.1:7001", f"--run_dir={unit.directory}"):
+    assert flag in learner, flag
+  assert not any(a.startswith(("--num_processes", "--coordinator_address")) for a in learner)
+  # an explicit loopback head (``localhost``) binds loopback too
+  local = dataclasses.replace(exp, ray_head="localhost:6380")
+  (unit,) = experiments.plan(local)
+  assert all("--node-ip-address=127.0.0.1" in j.args for j in unit.jobs(addresses_for(local, _no_free_port))
+             if j.kind == "sampler")
+  assert not os.path.exists(unit.directory)
+
+
+def test_cluster_sampler_nodes_get_the_cluster_address_and_their_gpus(tmp_path, config_file):
+  exp = experiments.Experiment(name="cluster", config=config_file, root=str(tmp_path), samplers=2, sampler_cpus=16,
+                               sampler_gpus=8, ray_head=CLUSTER_HEAD, overrides=VLLM_TP2)
+  (unit,) = experiments.plan(exp)
+  addresses = addresses_for(exp, _no_free_port)
+  assert addresses == experiments.Addresses(coordinator="", ray_head="sampler-0.cluster:6379")
+  head, node, learner = (j.args for j in unit.jobs(addresses))
+  assert head == ("start", "--head", "--port=6379", "--include-dashboard=false", "--num-cpus=16", "--num-gpus=8",
+                  "--block", "--disable-usage-stats")
+  assert node == ("start", "--address=sampler-0.cluster:6379", "--num-cpus=16", "--num-gpus=8", "--block",
+                  "--disable-usage-stats")
+  assert not any("127.0.0.1" in a for a in head + node)  # Ray binds each node's own address
+  for flag in ("--config.sampler.kind=vllm", "--config.sampler.vllm.tensor_parallel_size=2",
+               "--config.rollout.num_samplers=8", "--config.rollout.weight_transport=ipc",
+               "--config.rollout.mode=pipeline", "--config.rollout.address=sampler-0.cluster:6379"):
+    assert flag in learner, flag
+  # 16 engines at tensor-parallel size 1 fit the same nodes; 17 do not
+  tp1 = dict(VLLM_TP2, **{"sampler.vllm.tensor_parallel_size": 1, "rollout.num_samplers": 16})
+  assert len(experiments.plan(dataclasses.replace(exp, overrides=tp1))) == 1
+  with pytest.raises(ConfigError, match=r"rollout.num_samplers=17: the experiment's Ray cluster \(samplers=2 nodes, "
+                                        r"sampler_gpus=8 each\) has room for 16"):
+    experiments.plan(dataclasses.replace(exp, overrides=dict(tp1, **{"rollout.num_samplers": 17})))
+
+
+IMPOSSIBLE = {
+    "multi-process learner with sampler nodes": (
+        dict(learner_processes=2, samplers=1, sampler_cpus=2), {},
+        r"learner_processes=2 with samplers=1: the Ray sampler pool is driven from one learner process"),
+    "multi-process learner with a pipeline config": (
+        dict(learner_processes=2), {"rollout.mode": "pipeline"},
+        r"work unit 0 .*rollout.mode='pipeline' with experiment learner_processes=2: the Ray sampler pool is driven "
+        r"from one learner process"),
+    "negative sampler_gpus": (dict(samplers=1, sampler_gpus=-1), {}, r"experiment sampler_gpus=-1: expected >= 0"),
+    "GPUs on sampler nodes that all run on this machine": (
+        dict(samplers=2, sampler_gpus=4, ray_head="localhost:6379"), VLLM_TP2,
+        r"sampler_gpus=4 with ray_head='localhost:6379' \(every sampler node on this machine\): each node would hand "
+        r"out GPUs 0..3 of the machine"),
+    "ray_head without a port": (dict(samplers=1, ray_head="sampler-0"), {},
+                                r"experiment ray_head='sampler-0': expected host:port with an integer port"),
+    "ray_head with a text port": (dict(samplers=1, ray_head="sampler-0:ray"), {}, r"ray_head='sampler-0:ray'"),
+    "coordinator without a host": (dict(learner_processes=2, coordinator=":8476"), {},
+                                   r"experiment coordinator=':8476': expected host:port"),
+    "coordinator with a port out of range": (dict(learner_processes=2, coordinator="h:70000"), {},
+                                             r"coordinator='h:70000': expected host:port"),
+    "coordinator of a single learner process": (dict(coordinator="learner-0:8476"), {},
+                                                r"coordinator='learner-0:8476' with learner_processes=1: expected "
+                                                r"learner_processes > 1"),
+    "sampler nodes without CPUs": (dict(samplers=1, sampler_cpus=0), {}, r"experiment sampler_cpus=0: expected >= 1"),
+    "ray_head without sampler nodes": (dict(ray_head="sampler-0:6379"), {},
+                                       r"ray_head='sampler-0:6379' with samplers=0: expected samplers > 0"),
+    "config sets rollout.address with sampler nodes": (
+        dict(samplers=1), {"rollout.num_samplers": 1, "rollout.address": "10.0.0.1:6379"},
+        r"rollout.address='10.0.0.1:6379' with experiment samplers=1: the experiment starts its own sampler nodes"),
+    "tensor-parallel size larger than a node's GPUs": (
+        dict(samplers=2, sampler_cpus=8, sampler_gpus=2, ray_head=CLUSTER_HEAD),
+        dict(VLLM_TP2, **{"sampler.vllm.tensor_parallel_size": 4}),
+        r"each sampler actor needs 4 GPU\(s\) on one node \(sampler.vllm.tensor_parallel_size\), but the largest node "
+        r"of the experiment's Ray cluster \(samplers=2 nodes, sampler_gpus=2 each\) declares 2"),
+    "vLLM on CPU-only sampler nodes": (
+        dict(samplers=2, sampler_cpus=8), VLLM_TP2,
+        r"needs 2 GPU\(s\) on one node \(sampler.vllm.tensor_parallel_size\).*sampler_gpus=0 each"),
+    "nccl's extra GPU per actor": (
+        dict(samplers=2, sampler_cpus=8, sampler_gpus=8, ray_head=CLUSTER_HEAD),
+        dict(VLLM_TP2, **{"rollout.weight_transport": "nccl"}),
+        r"rollout.num_samplers=8: .*room for 4 sampler actor\(s\) of 3 GPU\(s\) each "
+        r"\(sampler.vllm.tensor_parallel_size \+ 1 for rollout.weight_transport='nccl'"),
+    "JAX samplers on GPUs the nodes do not declare": (
+        dict(samplers=1, sampler_cpus=2), {"sampler.platform": "gpu"},
+        r"needs 1 GPU\(s\) on one node \(sampler.platform='gpu'\).*sampler_gpus=0 each"),
+    "more actors than the nodes' CPUs": (
+        dict(samplers=1), {"rollout.num_samplers": 2},
+        r"rollout.num_samplers=2: the experiment's sampler nodes \(samplers=1, sampler_cpus=1, sampler_gpus=0 each\) "
+        r"hold 1 sampler actor\(s\) of rollout.actor_cpus=1 CPU\(s\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
+def test_impossible_layouts_fail_in_plan_naming_the_field(tmp_path, config_file, case):
+  settings, overrides, message = IMPOSSIBLE[case]
+  exp = experiments.Experiment(name="bad", config=config_file, root=str(tmp_path / "out"), overrides=overrides,
+                               **settings)
+  with pytest.raises(ConfigError, match=message):
+    experiments.plan(exp)
+  with pytest.raises(ConfigError, match=message):
+    experiments.run_local(exp)
+  assert not (tmp_path / "out").exists(), "nothing may be written or started before the layout is valid"
+
+
+def test_sampler_nodes_need_the_ray_command(tmp_path, config_file, monkeypatch):
+  from jaxrl_llm.experiments import planning
+  monkeypatch.setattr(planning.shutil, "which", lambda name: None)
+  exp = experiments.Experiment(name="noray", config=config_file, root=str(tmp_path / "out"), samplers=2)
+  with pytest.raises(ConfigError, match=r"experiment samplers=2: the `ray` command is not on PATH"):
+    experiments.plan(exp)
+  assert not (tmp_path / "out").exists()
+
+
+def test_fixed_addresses_are_refused_for_concurrent_work_units(tmp_path, config_file, monkeypatch):
+  from jaxrl_llm.experiments import xm_backend
+  exp = experiments.Experiment(name="two", config=config_file, root=str(tmp_path / "out"), learner_processes=2,
+                               coordinator="learner-0.cluster:8476",
+                               sweep=[{"objective.kwargs.eps": 0.1}, {"objective.kwargs.eps": 0.2}])
+  assert len(experiments.plan(exp)) == 2  # sequential local runs may reuse the address
+  with pytest.raises(ConfigError, match=r"parallel=2 with experiment coordinator='learner-0.cluster:8476'"):
+    experiments.run_local(exp, parallel=2)
+  monkeypatch.setattr(xm_backend, "import_xm", lambda: pytest.fail("XManager may not be reached"))
+  with pytest.raises(ConfigError, match=r"coordinator='learner-0.cluster:8476' with 2 work units"):
+    xm_backend.launch(exp)
+  assert not (tmp_path / "out").exists()
+
+
+class _FakeXm:
+  """The few XManager names :func:`xm_backend.launch` uses, recording what it is given."""
+
+  class Job:
+
+    def __init__(self, executable, executor, name, args, env_vars):
+      self.executable, self.executor, self.name, self.args, self.env_vars = executable, executor, name, args, env_vars
+
+  class JobGroup:
+
+    def __init__(self, **jobs):
+      self.jobs = jobs
+
+
+class _FakeXmLocal:
+
+  class Local:
+    pass
+
+  def __init__(self):
+    self.added = []
+
+  def create_experiment(self, experiment_title):
+    outer = self
+
+    class Experiment:
+
+      def __enter__(self):
+        return self
+
+      def __exit__(self, *exc):
+        return False
+
+      def package(self, packageables):
+        return [f"packaged:{p}" for p in packageables]
+
+      def add(self, group, args):
+        outer.added.append((group, args))
+
+    del experiment_title
+    return Experiment()
+
+
+def test_xm_backend_gives_a_cluster_executor_the_cluster_addresses(tmp_path, config_file, monkeypatch):
+  from jaxrl_llm.experiments import xm_backend
+  xm_local = _FakeXmLocal()
+  monkeypatch.setattr(xm_backend, "import_xm", lambda: (_FakeXm, xm_local))
+  monkeypatch.setattr(xm_backend, "free_port", _no_free_port)
+  exp = experiments.Experiment(name="cluster", config=config_file, root=str(tmp_path), samplers=2, sampler_cpus=16,
+                               sampler_gpus=8, ray_head="sampler-0.cluster:6379", overrides=VLLM_TP2)
+  with pytest.raises(ConfigError, match=r"launch packages=\['learner'\]: expected a packageable for \['sampler'\]"):
+    xm_backend.launch(exp, executor="cluster-executor", packages={"learner": "learner-container"})
+  xm_backend.launch(exp, executor="cluster-executor", packages={"learner": "learner-container",
+                                                                 "sampler": "ray-container"})
+  ((group, args),) = xm_local.added
+  assert sorted(group.jobs) == ["learner_0", "sampler_0", "sampler_1"]
+  assert all(j.executor == "cluster-executor" for j in group.jobs.values())
+  assert group.jobs["sampler_0"].executable == "packaged:ray-container"
+  assert group.jobs["sampler_0"].args[:3] == ["start", "--head", "--port=6379"]
+  assert "--address=sampler-0.cluster:6379" in group.jobs["sampler_1"].args
+  assert "--num-gpus=8" in group.jobs["sampler_1"].args
+  assert not any("127.0.0.1" in a for j in ("sampler_0", "sampler_1") for a in group.jobs[j].args)
+  assert group.jobs["learner_0"].args["config.rollout.address"] == "sampler-0.cluster:6379"
+  assert args["learner_0"]["args"]["run_dir"].endswith("00_base")
 
 
 def test_launch_scripts_parse_sweeps_into_work_units(config_file):
@@ -133,6 +355,11 @@ def test_launch_scripts_parse_sweeps_into_work_units(config_file):
   assert exp.sweep == [{"objective.kwargs.eps": e, "rl.temperature": t} for e in (0.1, 0.2) for t in (0.5, 1.0)]
   assert exp.overrides == {"rl.steps": 3, "model.batch_invariant": False}
   assert len(experiments.plan(exp)) == 4
+  cluster = xm_launch.build_experiment("c", config_file, [], ["rollout.num_samplers=4"], samplers=2, sampler_cpus=4,
+                                       sampler_gpus=8, ray_head="sampler-0.cluster:6379")
+  assert (cluster.samplers, cluster.sampler_cpus, cluster.sampler_gpus, cluster.ray_head, cluster.coordinator) == (
+      2, 4, 8, "sampler-0.cluster:6379", "")
+  assert len(experiments.plan(cluster)) == 1
 
 
 def test_xm_backend_says_which_extra_to_install(monkeypatch):

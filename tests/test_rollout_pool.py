@@ -202,12 +202,20 @@ def test_a_row_that_stays_bad_stops_the_run_naming_the_row_and_reason(params):
 
 
 def test_pipeline_with_k0_reproduces_the_synchronous_run(tmp_path):
-  common = dict(rl__steps=3, checkpoint__every=100, export__hf=False, eval__every=100)
+  """Two actors (the default), each step split into four chunks: the same samples and updates, bit for bit.
+
+  Batch-invariant mode makes a row's sample independent of the rows it is batched with, and
+  row r samples with the key of its global row id whatever chunk it lands in.
+  """
+  common = dict(rl__steps=2, rl__prompts_per_step=8, checkpoint__every=100, export__hf=False, eval__every=100,
+                model__batch_invariant=True)
   sync = jobs.RLJob(tiny_config(tmp_path / "sync", **common))
   sync.train()
-  pipe = jobs.RLJob(tiny_config(tmp_path / "pipe", rollout__mode="pipeline", rollout__num_samplers=1,
-                              rollout__max_lag=0, **common))
+  pipe = jobs.RLJob(tiny_config(tmp_path / "pipe", rollout__mode="pipeline", rollout__num_samplers=2,
+                              rollout__chunks_per_step=4, rollout__max_lag=0, rollout__actor_cpus=0.5, **common))
   pipe.train()
+  rows = [json.loads(l) for l in open(tmp_path / "pipe" / "metrics.jsonl") if "pool/delivered" in l]
+  assert rows[-1]["pool/delivered"] == 2 * 4  # every step came back as four chunks
   for a, b in zip(jax.tree.leaves(sync.params), jax.tree.leaves(pipe.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

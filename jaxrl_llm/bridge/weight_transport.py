@@ -12,8 +12,8 @@ actor), and measures what one publish cost (bytes, seconds).
                  in a Ray actor, then vLLM's RPC broadcast)
   nccl           one NCCL broadcast per tensor from the     torch + vllm on the
                  learner (rank 0) to every worker           learner, its own GPU
-  ipc            one packed CUDA buffer per bucket, shared  torch on the learner,
-                 by a CUDA IPC handle                       same GPU as the engine
+  ipc            one packed CUDA buffer per bucket and      torch in the sender,
+                 engine GPU, shared by CUDA IPC handles     the engine's GPUs visible
 
 Tensor names and layouts come from :mod:`jaxrl_llm.bridge.reshard`: at
 tensor-parallel size 1 (and for ``nccl`` / ``ipc`` at any size) the stream is
@@ -37,7 +37,7 @@ import dataclasses
 import pickle
 import time
 from concurrent import futures
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -226,10 +226,10 @@ def _torch():
   try:
     import torch  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise ImportError("the nccl and ipc weight transports need torch with CUDA on the learner: install "
+    raise ImportError("the nccl and ipc weight transports need torch with CUDA in the sending process: install "
                       "the [vllm] extra (pip install 'jaxrl_llm[vllm]')") from e
   if not torch.cuda.is_available():
-    raise RuntimeError("the nccl and ipc weight transports need a CUDA GPU on the learner; use "
+    raise RuntimeError("the nccl and ipc weight transports need a CUDA GPU in the sending process; use "
                        "transport='object_store' on machines without one")
   return torch
 
@@ -304,24 +304,33 @@ class NcclTransport(WeightTransport):
 
 
 class IpcTransport(WeightTransport):
-  """CUDA IPC: each bucket packed into one uint8 buffer on the engine's GPU, shared by handle."""
+  """CUDA IPC: each bucket packed into one uint8 buffer per engine GPU, shared by handle.
+
+  Every worker of the engine finds the buffer on its own GPU by the GPU's uuid, so the
+  sender needs all the engine's GPUs visible (a sampler actor holding them, or a
+  learner colocated with the engine).
+  """
 
   name = "ipc"
 
-  def __init__(self, *, device: Any = "cuda:0", dtype: Optional[str] = None,
+  def __init__(self, *, device: Any = "cuda:0", devices: Sequence[Any] = (), dtype: Optional[str] = None,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """Args:
-      device: the CUDA device the engine's worker uses (colocated learner).
+      device: the CUDA device of a single-GPU engine.
+      devices: the CUDA devices of every worker of the engine (overrides ``device``; one
+        per tensor-parallel rank).
       dtype: cast to this dtype before sending.
       bucket_bytes: bytes per shared buffer (about).
     """
-    self.device, self.dtype, self.bucket_bytes = device, dtype, int(bucket_bytes)
+    self.devices = tuple(devices) or (device,)
+    self.device = self.devices[0]
+    self.dtype, self.bucket_bytes = dtype, int(bucket_bytes)
 
   def publish(self, params: Mapping[str, Any], config: ModelConfig, rpc: RpcFn) -> PublishStats:
     torch = _torch()
     from torch.multiprocessing.reductions import reduce_tensor  # pylint: disable=import-outside-toplevel
-    device = torch.device(self.device)
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    devices = [torch.device(d) for d in self.devices]
+    uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
     start = time.perf_counter()
     tensors = nbytes = calls = 0
     for bucket in buckets(hf_entries(params, config, self.dtype), self.bucket_bytes):
@@ -332,13 +341,14 @@ class IpcTransport(WeightTransport):
       host = np.zeros((total,), np.uint8)
       for entry, offset in zip(bucket, offsets):
         host[offset:offset + entry[3].nbytes] = np.ascontiguousarray(entry[3]).reshape(-1).view(np.uint8)
-      buffer = torch.from_numpy(host).to(device)
-      torch.cuda.synchronize(device)
+      staged = torch.from_numpy(host)
+      shared = [staged.to(d) for d in devices]
+      for d in devices:
+        torch.cuda.synchronize(d)
       metadata = [(e[0], e[1], list(e[2]), off) for e, off in zip(bucket, offsets)]
-      handle = pickle.dumps(reduce_tensor(buffer))
-      _check_counts("load_weights_from_ipc", rpc("load_weights_from_ipc", ({uuid: (handle, metadata)},)),
-                    len(bucket))
-      del buffer
+      handles = {uuid: (pickle.dumps(reduce_tensor(buffer)), metadata) for uuid, buffer in zip(uuids, shared)}
+      _check_counts("load_weights_from_ipc", rpc("load_weights_from_ipc", (handles,)), len(bucket))
+      del shared
       tensors, nbytes, calls = tensors + len(bucket), nbytes + _nbytes(bucket), calls + 1
     return PublishStats(self.name, tensors, nbytes, time.perf_counter() - start, calls)
 

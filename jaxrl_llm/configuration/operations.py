@@ -18,6 +18,9 @@ from jaxrl_llm.settings import (BOOL, NONEMPTY_STRING, NONNEG, NONNEG_INT, NUMBE
                                 UNIT, check, in_range, require, setting)
 
 SAMPLER_KINDS = ("jax", "vllm")  # the sampler a rollout actor builds (jaxrl_llm.rollout.actor.SamplerSpec.kind)
+SAMPLER_PLATFORMS = ("cpu", "gpu")  # where a JAX sampler actor runs (jaxrl_llm.rollout.placement.PLATFORMS)
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "float32")  # vLLM engine dtype; auto: the model's param_dtype
+WEIGHT_TRANSPORTS = ("object_store", "nccl", "ipc")  # jaxrl_llm.bridge.weight_transport.TRANSPORTS
 ROLLOUT_MODES = ("sync", "pipeline")  # where samples come from (the learner's process, or Ray sampler actors)
 CONSISTENCY_ACTIONS = ("warn", "skip")  # what a failed sampler/learner consistency check does
 RM_NORMALIZATIONS = ("none", "running")  # processing of reward-model scores (jaxrl_llm.reward_model.scorer)
@@ -32,9 +35,38 @@ class SamplerSettings:
 
   kind: str = setting("jax", "the sampler: the built-in JAX sampler, or vLLM engines in Ray actors (needs "
                       "rollout.mode='pipeline' and a GPU)", choices=SAMPLER_KINDS)
+  platform: str = setting("cpu", "'pipeline' with sampler.kind='jax': where each sampler actor runs JAX; 'gpu' "
+                          "asks Ray for one GPU per actor (never one of the learner's)", choices=SAMPLER_PLATFORMS)
 
   def __post_init__(self):
     check(self, "sampler")
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmSettings:
+  """``config.sampler.vllm``: the engine of each vLLM sampler actor (``vllm.LLM`` arguments).
+
+  They reach :class:`jaxrl_llm.sampling.vllm_engine.VllmEngineConfig` through the job; the
+  actor asks Ray for ``tensor_parallel_size`` GPUs (one more with
+  ``rollout.weight_transport='nccl'``).
+  """
+
+  tensor_parallel_size: int = setting(1, "GPUs per engine (vLLM tensor parallelism); Ray places them on one node",
+                                      POSITIVE_INT)
+  gpu_memory_utilization: float = setting(0.85, "share of each of its GPUs' memory the engine may take (weights, "
+                                          "activations and KV cache)", in_range(0.0, 1.0, low_open=True))
+  dtype: str = setting("auto", "engine dtype; 'auto': the model's param_dtype (published weights are cast to it)",
+                       choices=VLLM_DTYPES)
+  max_model_len: int = setting(0, "longest prompt + response the engine serves; 0: the model's context (the "
+                               "learner's prompt bucket + rl.max_new_tokens)", NONNEG_INT)
+  enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prefixes (a prompt's n samples); "
+                                        "reset after every weight update", BOOL)
+  enforce_eager: bool = setting(False, "no CUDA graphs: faster start, slower decode", BOOL)
+  seed: int = setting(-1, "engine seed; -1: the run's seed (every request has its own seed anyway)",
+                      in_range(-1, 2**31 - 1, integer=True))
+
+  def __post_init__(self):
+    check(self, "sampler.vllm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +83,21 @@ class RolloutSettings:
                                 "response", NONNEG_INT)
   address: str = setting("", "Ray cluster address; empty: start a local cluster on 127.0.0.1", STRING)
   actor_cpus: float = setting(1.0, "CPUs reserved by each Ray sampler actor", POSITIVE)
+  weight_transport: str = setting("object_store", "how each vLLM sampler actor moves the weights it receives "
+                                  "(through Ray's object store, once per node) into its engine: 'object_store' "
+                                  "(vLLM's RPC), 'ipc' (CUDA buffers shared with the engine's workers) or 'nccl' "
+                                  "(a broadcast from one extra GPU of the actor); the JAX sampler takes them "
+                                  "directly and needs 'object_store'", choices=WEIGHT_TRANSPORTS)
+  weight_bucket_mb: int = setting(256, "about this many MiB of weights per transfer into a vLLM engine",
+                                  POSITIVE_INT)
+  actor_gpus: float = setting(-1.0, "GPUs each sampler actor reserves; -1: what its sampler needs "
+                              "(sampler.vllm.tensor_parallel_size for vLLM, + 1 with rollout.weight_transport='nccl'; "
+                              "1 for a JAX sampler on sampler.platform='gpu'; else 0); otherwise a JAX sampler "
+                              "actor's own count, or a one-GPU vLLM engine's share of a GPU (0.5: two engines per "
+                              "GPU, each within sampler.vllm.gpu_memory_utilization)", in_range(-1, 1024))
+  local_gpus: str = setting("auto", "GPUs the local Ray cluster (no rollout.address) offers to sampler actors: "
+                            "'auto' (every GPU of this machine the learner's JAX does not use), 'none', or ids "
+                            "such as '4,5,6,7' (never the learner's)", STRING)
   exact_versions: bool = setting(False, "'pipeline': sample RL step s with exactly the policy version k steps older "
                                  "(base + max(0, s - k)), never a newer one: a fixed lag, so the run does not depend "
                                  "on timing (each actor keeps k + 1 weight versions)", BOOL)

@@ -24,7 +24,7 @@ import ml_collections
 
 from jaxrl_llm.configuration.operations import (CheckpointSettings, DataSettings, DiagnosticsSettings,
                                                 EvalSettings, ExportSettings, LogSettings, RewardModelSettings,
-                                                RewardSettings, RolloutSettings, SamplerSettings)
+                                                RewardSettings, RolloutSettings, SamplerSettings, VllmSettings)
 from jaxrl_llm.configuration.training import (AdvantageSettings, CriticSettings, InitSettings, LearnerSettings,
                                               ModelSettings, ObjectiveSettings, OptimizerSettings, RLSettings,
                                               RunSettings, SftSettings, TaskSettings)
@@ -58,6 +58,7 @@ class Settings:
   critic: CriticSettings = _section("critic")
   learner: LearnerSettings = _section("learner")
   sampler: SamplerSettings = _section("sampler")
+  vllm: VllmSettings = _section("sampler.vllm")
   rollout: RolloutSettings = _section("rollout")
   data: DataSettings = _section("data")
   curation: CurationConfig = _section("data")
@@ -94,6 +95,12 @@ def sections() -> list[str]:
   return list(dict.fromkeys(p.section for p in parts()))
 
 
+def subsections(section: str) -> set[str]:
+  """Names of the sections directly inside ``section`` ("" is the top level): ``{"vllm"}`` for "sampler"."""
+  prefix = f"{section}." if section else ""
+  return {s[len(prefix):].split(".")[0] for s in sections() if s != section and s.startswith(prefix) and s}
+
+
 def field_path(section: str, name: str) -> str:
   return f"{section}.{name}" if section else name
 
@@ -113,10 +120,10 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   for part in parts():
     node = c
-    if part.section:
-      if part.section not in c:
-        c[part.section] = ml_collections.ConfigDict()
-      node = c[part.section]
+    for name in part.section.split(".") if part.section else ():  # a nested section ("sampler.vllm") too
+      if name not in node:
+        node[name] = ml_collections.ConfigDict()
+      node = node[name]
     for f in config_fields(part.cls):
       value = default_of(f)
       node[f.name] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
@@ -196,4 +203,5 @@ def run_dir(config: ml_collections.ConfigDict) -> str:
 
 
 __all__ = ["ConfigError", "Part", "Settings", "base_config", "build_part", "derived_values", "field_path",
-           "free_paths", "get_field", "override", "parts", "plain", "run_dir", "section_node", "sections", "settings"]
+           "free_paths", "get_field", "override", "parts", "plain", "run_dir", "section_node", "sections", "settings",
+           "subsections"]

@@ -19,9 +19,10 @@ import numpy as np
 
 from jaxrl_llm import tasks
 from jaxrl_llm.configuration.schema import (ConfigError, build_part, field_path, parts, plain, section_node,
-                                            sections)
+                                            sections, subsections)
 from jaxrl_llm.learner.builders import (correction_errors, kwarg_errors, objective_errors, recipe_call,
                                         unknown_kwargs)
+from jaxrl_llm.rollout import placement
 from jaxrl_llm.settings import config_fields, field_errors
 
 
@@ -30,7 +31,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   errors = declared_errors(config)
   if not errors:
     errors = (construction_errors(config) + objective_errors(config) + correction_errors(config)
-              + cross_field_errors(config) + mixing_errors(config))
+              + cross_field_errors(config) + placement_errors(config) + mixing_errors(config))
   if errors:
     raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
   return config
@@ -47,12 +48,14 @@ def declared_errors(config: ml_collections.ConfigDict) -> list[str]:
     except ConfigError as e:
       by_section[part.section].append(str(e))
       continue
-    values = {k: plain(node[k]) for k in node.keys()}
+    values = {k: plain(node[k]) for k in node.keys() if k not in subsections(part.section)}
     by_section[part.section].extend(field_errors(part.cls, values, part.section))
   for section, names in declared.items():
-    if section and section not in config:
+    try:
+      section_node(config, section)
+    except ConfigError:
       continue
-    known = names | (set(declared) if not section else set())
+    known = names | subsections(section)
     by_section[section].extend(f"{field_path(section, k)}: not a config field (a typo?)"
                                for k in section_node(config, section).keys() if k not in known)
   if not by_section["task"]:
@@ -82,6 +85,46 @@ def construction_errors(config: ml_collections.ConfigDict) -> list[str]:
       text, prefix = str(e), field_path(part.section, "") if part.section else ""
       errors.append(text if prefix and text.startswith(prefix) else f"{part.section or 'config'}: {text}")
   return list(dict.fromkeys(errors))
+
+
+def placement_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """Sampler actors' devices and weight transport: what can be checked before the cluster is known.
+
+  What depends on the machine (the learner's GPUs, the GPUs each node declares) is
+  checked when the pool starts, before any actor does (:mod:`jaxrl_llm.rollout.placement`).
+  """
+  c = config
+  errors = []
+  pipeline = c.rollout.mode == "pipeline"
+  if c.sampler.platform != "cpu" and not pipeline:
+    errors.append(f"sampler.platform={c.sampler.platform!r} with rollout.mode={c.rollout.mode!r}: expected "
+                  "rollout.mode='pipeline' (in 'sync' mode the sampler runs in the learner's process, on its devices)")
+  if c.sampler.platform != "cpu" and c.sampler.kind != "jax":
+    errors.append(f"sampler.platform={c.sampler.platform!r} with sampler.kind={c.sampler.kind!r}: expected "
+                  "sampler.kind='jax' (a vLLM engine's GPUs are sampler.vllm.tensor_parallel_size)")
+  if c.rollout.weight_transport != "object_store" and c.sampler.kind != "vllm":
+    errors.append(f"rollout.weight_transport={c.rollout.weight_transport!r} with sampler.kind={c.sampler.kind!r}: "
+                  "expected 'object_store' (the JAX sampler takes the host weights it receives as they are; "
+                  "'ipc' and 'nccl' move them into a vLLM engine's GPUs)")
+  try:
+    ids = placement.parse_gpu_ids(c.rollout.local_gpus)
+    need = placement.gpus_per_actor(c.sampler.kind, platform=c.sampler.platform,
+                                    tensor_parallel_size=c.sampler.vllm.tensor_parallel_size,
+                                    weight_transport=c.rollout.weight_transport, actor_gpus=c.rollout.actor_gpus)
+  except ConfigError as e:
+    return errors + [str(e)]
+  if c.sampler.kind == "vllm" and 0 < c.rollout.actor_gpus < 1 < c.sampler.vllm.gpu_memory_utilization / c.rollout.actor_gpus:
+    errors.append(f"sampler.vllm.gpu_memory_utilization={c.sampler.vllm.gpu_memory_utilization:g} with "
+                  f"rollout.actor_gpus={c.rollout.actor_gpus:g}: engines sharing a GPU must each take at most their "
+                  "share of its memory (expected gpu_memory_utilization <= actor_gpus)")
+  if pipeline and ids is not None and not c.rollout.address and need:
+    try:
+      placement.check_capacity(placement.ActorResources(c.rollout.actor_cpus, need), c.rollout.num_samplers,
+                               [len(ids)], cluster=f"the local Ray cluster (rollout.local_gpus={c.rollout.local_gpus!r})",
+                               kind=c.sampler.kind, weight_transport=c.rollout.weight_transport)
+    except ConfigError as e:
+      errors.append(str(e))
+  return errors
 
 
 def cross_field_errors(config: ml_collections.ConfigDict) -> list[str]:

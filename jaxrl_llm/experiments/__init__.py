@@ -9,12 +9,13 @@
 See ``docs/experiments.md``.
 """
 
-from jaxrl_llm.experiments.definition import (Addresses, Experiment, JobSpec, WorkUnit, apply_overrides,
-                                              learner_jobs, load_config, plan)
+from jaxrl_llm.experiments.definition import (Addresses, Experiment, JobSpec, WorkUnit, addresses_for,
+                                              apply_overrides, learner_jobs, load_config)
+from jaxrl_llm.experiments.planning import check_experiment, check_layout, plan
 from jaxrl_llm.experiments.local import WorkUnitResult, run_experiment as run_local, run_jobs
 from jaxrl_llm.experiments.xm_backend import launch as launch_xm
 
 __all__ = [
-    "Addresses", "Experiment", "JobSpec", "WorkUnit", "WorkUnitResult", "apply_overrides", "launch_xm",
-    "learner_jobs", "load_config", "plan", "run_jobs", "run_local",
+    "Addresses", "Experiment", "JobSpec", "WorkUnit", "WorkUnitResult", "addresses_for", "apply_overrides",
+    "check_experiment", "check_layout", "launch_xm", "learner_jobs", "load_config", "plan", "run_jobs", "run_local",
 ]

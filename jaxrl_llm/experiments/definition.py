@@ -2,15 +2,35 @@
 
 One definition, two launchers. :class:`Experiment` names a ``configs/*.py``
 file, the overrides every run shares and a sweep (a list of override dicts,
-one **work unit** per point). :func:`plan` checks every work unit's config
-*before anything starts* and turns each into :class:`JobSpec` s:
+one **work unit** per point). :func:`jaxrl_llm.experiments.planning.plan` checks
+every work unit's config *before anything starts* and the work units turn into
+:class:`JobSpec` s:
 
 * ``learner_<i>``: ``python -m launch.train --config=<file> --config.<k>=<v> ...``
   for each of the ``learner_processes`` processes of a multi-host learner
   (``--num_processes`` / ``--process_id`` / ``--coordinator_address``);
-* ``sampler_<j>``: a Ray node (``ray start ... --block``) that hosts sampler
-  actors; the learner joins it with ``rollout.mode="pipeline"`` and
-  ``rollout.address`` (node 0 is the head, the others join it).
+* ``sampler_<j>``: a Ray node (``ray start ... --num-cpus=<sampler_cpus>
+  --num-gpus=<sampler_gpus> --block``) that hosts sampler actors; node 0 is the
+  head (``--head --port=<port of ray_head>``), the others join it
+  (``--address=<ray_head>``). The learner runs with ``rollout.mode="pipeline"``
+  and ``rollout.address=<ray_head>``.
+
+Where the jobs meet (:func:`addresses_for`): ``Experiment.ray_head`` and
+``Experiment.coordinator`` when set (a cluster's hosts), else free ports on
+127.0.0.1. Sampler nodes bind loopback (``--node-ip-address=127.0.0.1``) only
+when the head's host is a loopback address; otherwise Ray binds each node's own
+address.
+
+:func:`~jaxrl_llm.experiments.planning.plan` also refuses layouts the run would refuse at start-up or that
+could never place its sampler actors: several learner processes with sampler
+nodes or with ``rollout.mode="pipeline"`` (the Ray sampler pool is driven from
+one learner process), sampler nodes whose GPUs (``sampler_gpus``) or CPUs
+(``sampler_cpus``) cannot hold ``rollout.num_samplers`` actors
+(:func:`jaxrl_llm.rollout.placement.gpus_per_actor`,
+:func:`jaxrl_llm.rollout.placement.check_capacity`), sampler GPUs on nodes that
+all run on this machine (a loopback head), a config that sets
+``rollout.address`` itself while the experiment starts sampler nodes, and
+malformed addresses.
 
 :mod:`jaxrl_llm.experiments.local` runs the jobs as local processes;
 :mod:`jaxrl_llm.experiments.xm_backend` hands the same jobs to XManager
@@ -21,7 +41,7 @@ Example::
   exp = Experiment(name="eps_sweep", config="configs/grpo_addition.py",
                    overrides={"rl.steps": 50},
                    sweep=[{"objective.kwargs.eps": 0.1}, {"objective.kwargs.eps": 0.2}])
-  units = plan(exp)            # raises ConfigError naming a bad field, launches nothing
+  units = planning.plan(exp)   # raises ConfigError naming a bad field, launches nothing
 """
 
 from __future__ import annotations
@@ -30,9 +50,8 @@ import dataclasses
 import importlib.util
 import os
 import re
-import shutil
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections
 
@@ -57,8 +76,26 @@ class Experiment:
     devices_per_process: > 0: XLA CPU devices per learner process (local CPU
       runs); 0 leaves the platform's devices alone.
     samplers: Ray sampler nodes per work unit; > 0 switches the run to
-      ``rollout.mode="pipeline"`` against them.
-    sampler_cpus: CPUs each sampler node offers to sampler actors.
+      ``rollout.mode="pipeline"`` against them (``rollout.address`` is set to
+      the head, so the config may not set it) and needs ``learner_processes=1``.
+    sampler_cpus: CPUs each sampler node declares (``ray start --num-cpus``);
+      each sampler actor reserves ``rollout.actor_cpus`` of them.
+    sampler_gpus: GPUs each sampler node declares (``ray start --num-gpus``);
+      each sampler actor asks for
+      :func:`jaxrl_llm.rollout.placement.gpus_per_actor` of them (vLLM: the
+      tensor-parallel size, + 1 with ``rollout.weight_transport='nccl'``; the
+      JAX sampler on ``sampler.platform='gpu'``: 1; on the CPU: 0), all on one
+      node. 0: the nodes offer CPUs only. > 0 needs a ``ray_head`` that is not
+      loopback (nodes on one machine would all offer its GPUs 0..N-1).
+    ray_head: ``host:port`` where the head sampler node listens (its host is
+      where the launcher's executor places ``sampler_0``); the other nodes and
+      the learner join it there. Empty: the launcher picks ``127.0.0.1:<free
+      port>`` (every job on this machine). A loopback host (127.x,
+      ``localhost``) binds every sampler node to 127.0.0.1; any other host lets
+      Ray bind each node's own address.
+    coordinator: ``host:port`` of learner process 0 (the host that runs
+      ``learner_0``) when ``learner_processes > 1``. Empty: the launcher picks
+      ``127.0.0.1:<free port>``.
     root: folder under which ``<name>/<work unit>/`` are written.
   """
 
@@ -70,6 +107,9 @@ class Experiment:
   devices_per_process: int = 0
   samplers: int = 0
   sampler_cpus: int = 1
+  sampler_gpus: int = 0
+  ray_head: str = ""
+  coordinator: str = ""
   root: str = "runs/experiments"
 
   @property
@@ -79,10 +119,84 @@ class Experiment:
 
 @dataclasses.dataclass(frozen=True)
 class Addresses:
-  """Where a work unit's processes meet (``host:port``); chosen by the launcher."""
+  """Where a work unit's processes meet (``host:port``); :func:`addresses_for` chooses them."""
 
   coordinator: str = ""  # process 0 of a multi-process learner
   ray_head: str = ""  # the head sampler node
+
+
+LOOPBACK_PLACEHOLDER = "127.0.0.1:0"  # stands for the head address a launcher picks, while plan() validates
+
+
+def parse_address(value: str, field: str) -> tuple[str, int]:
+  """``"host:port"`` -> ``(host, port)``.
+
+  Args:
+    value: the address.
+    field: the setting it comes from, for the message (``"ray_head"``).
+
+  Raises:
+    ConfigError: naming ``field`` when ``value`` is not ``host:port`` with a
+      non-empty host and an integer port in [1, 65535].
+  """
+  host, sep, port = str(value).rpartition(":")
+  if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    raise ConfigError(f"experiment {field}={value!r}: expected host:port with an integer port in [1, 65535] "
+                      "(e.g. 'sampler-0.cluster:6379'), or empty to let the launcher pick 127.0.0.1:<free port>")
+  return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+  """Whether ``host`` names this machine's loopback interface (``127.x.x.x`` or ``localhost``)."""
+  return host == "localhost" or host.startswith("127.")
+
+
+def addresses_for(experiment: Experiment, free_port: Callable[[], int]) -> Addresses:
+  """Where one work unit's jobs meet: the experiment's addresses when set, else loopback free ports.
+
+  Both launchers call this once per work unit.
+
+  Args:
+    experiment: the definition (``ray_head`` and ``coordinator`` when set are used as they are).
+    free_port: returns a TCP port free on 127.0.0.1 (called only for an address that is needed
+      and not set).
+
+  Returns:
+    ``Addresses(coordinator=..., ray_head=...)``; an address the work unit does not need
+    (no sampler nodes, a single learner process) is empty.
+  """
+  coordinator = ray_head = ""
+  if experiment.learner_processes > 1:
+    coordinator = experiment.coordinator or f"127.0.0.1:{free_port()}"
+  if experiment.samplers:
+    ray_head = experiment.ray_head or f"127.0.0.1:{free_port()}"
+  return Addresses(coordinator=coordinator, ray_head=ray_head)
+
+
+def sampler_node_args(index: int, ray_head: str, cpus: int, gpus: int) -> tuple[str, ...]:
+  """``ray start`` arguments of sampler node ``index`` (0: the head) of a cluster whose head is ``ray_head``.
+
+  Args:
+    index: the node; 0 starts the head (``--head --port=<port of ray_head>``), any
+      other joins it (``--address=<ray_head>``).
+    ray_head: ``host:port`` of the head node.
+    cpus, gpus: what the node declares (``--num-cpus``, ``--num-gpus``).
+
+  Raises:
+    ConfigError: when ``ray_head`` is not ``host:port``.
+  """
+  host, port = parse_address(ray_head, "ray_head")
+  loopback = is_loopback(host)
+  if index == 0:
+    args: tuple[str, ...] = ("start", "--head", f"--port={port}")
+    if loopback:
+      args += ("--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1")
+    args += ("--include-dashboard=false",)
+  else:
+    args = ("start", f"--address={ray_head}")
+    if loopback:
+      args += ("--node-ip-address=127.0.0.1",)
+  return args + (f"--num-cpus={cpus}", f"--num-gpus={gpus}", "--block", "--disable-usage-stats")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,17 +259,21 @@ class WorkUnit:
     return flags
 
   def jobs(self, addresses: Addresses = Addresses()) -> list[JobSpec]:
-    """The work unit's processes: sampler nodes first, then the learner processes."""
+    """The work unit's processes: sampler nodes first, then the learner processes.
+
+    Args:
+      addresses: where the jobs meet (:func:`addresses_for`).
+
+    Raises:
+      ValueError: when sampler nodes have no ``addresses.ray_head`` or several
+        learner processes no ``addresses.coordinator``.
+    """
     exp = self.experiment
-    out = []
-    for j in range(exp.samplers):
-      if j == 0:
-        port = addresses.ray_head.rsplit(":", 1)[-1]
-        args = ("start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false")
-      else:
-        args = ("start", f"--address={addresses.ray_head}")
-      args += (f"--num-cpus={exp.sampler_cpus}", "--num-gpus=0", "--block", "--disable-usage-stats")
-      out.append(JobSpec(f"{SAMPLER}_{j}", SAMPLER, "ray", args, {}))
+    if exp.samplers and not addresses.ray_head:
+      raise ValueError(f"{exp.samplers} sampler nodes need a head address (addresses.ray_head)")
+    out = [JobSpec(f"{SAMPLER}_{j}", SAMPLER, "ray",
+                   sampler_node_args(j, addresses.ray_head, exp.sampler_cpus, exp.sampler_gpus), {})
+           for j in range(exp.samplers)]
     flags = self.learner_flags()
     if exp.samplers:
       flags["config.rollout.address"] = addresses.ray_head
@@ -248,48 +366,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, A
   return config
 
 
-def _slug(point: Mapping[str, Any]) -> str:
+def slug(point: Mapping[str, Any]) -> str:
+  """A folder-name fragment of a sweep point (``eps=0.1,kl=0.0``; "base" for ``{}``)."""
   parts = [f"{k.rsplit('.', 1)[-1]}={v}" for k, v in point.items()]
   return re.sub(r"[^A-Za-z0-9_.=+-]", "_", ",".join(parts))[:80] or "base"
-
-
-def plan(experiment: Experiment) -> list[WorkUnit]:
-  """Validates every work unit's config and returns the work units; launches nothing.
-
-  Each point's config is built exactly as its learner will build it (the
-  config file, then ``overrides``, then the point) and checked with
-  :func:`jaxrl_llm.configuration.validate`.
-
-  Raises:
-    ConfigError: naming the work unit and the field (a field that does not
-      exist, a value of the wrong type, or a value outside what it accepts).
-    ValueError: naming the experiment setting that is out of range.
-  """
-  if not experiment.name or "/" in experiment.name:
-    raise ValueError(f"experiment name {experiment.name!r}: expected a non-empty name without '/'")
-  if not experiment.sweep:
-    raise ValueError("experiment sweep: expected at least one point (use [{}] for a single run)")
-  for field in ("learner_processes", "sampler_cpus"):
-    if getattr(experiment, field) < 1:
-      raise ValueError(f"experiment {field}={getattr(experiment, field)}: expected >= 1")
-  for field in ("devices_per_process", "samplers"):
-    if getattr(experiment, field) < 0:
-      raise ValueError(f"experiment {field}={getattr(experiment, field)}: expected >= 0")
-  if experiment.samplers and not shutil.which("ray"):
-    raise ValueError(f"experiment samplers={experiment.samplers}: the `ray` command is not on PATH")
-  units = []
-  for index, point in enumerate(experiment.sweep):
-    where = f"work unit {index} {dict(point)}"
-    merged = dict(experiment.overrides)
-    merged.update(point)
-    config = apply_overrides(load_config(experiment.config), merged, where)
-    if experiment.samplers:
-      apply_overrides(config, {"rollout.mode": "pipeline"}, where)
-    try:
-      configuration.validate(config)
-    except ConfigError as e:
-      raise ConfigError(f"{where}: {e}") from None
-    directory = os.path.join(experiment.directory, f"{index:02d}_{_slug(point)}")
-    units.append(WorkUnit(index, dict(point), merged, directory, experiment))
-  return units
-

@@ -1,9 +1,11 @@
 """The local backend: an experiment's jobs as processes on this machine.
 
 No XManager needed. For each work unit (in sweep order, ``parallel`` at a
-time) it picks free ports on 127.0.0.1, starts the sampler nodes (and waits
-for the Ray head to listen), then the learner processes, and waits for the
-learners. If one learner fails, the others are stopped; sampler nodes are
+time) it takes the addresses of :func:`~jaxrl_llm.experiments.definition.addresses_for`
+(the experiment's ``ray_head`` / ``coordinator`` when set, which must then be
+this machine's; else free ports on 127.0.0.1), starts the sampler nodes (and
+waits for the Ray head to listen), then the learner processes, and waits for
+the learners. If one learner fails, the others are stopped; sampler nodes are
 stopped when the learners are done. Each job runs in its own process group
 (so a job's children stop with it) and writes its output to
 ``<work unit>/logs/<job>.log``; the run itself writes ``metrics.jsonl``,
@@ -27,8 +29,10 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from jaxrl_llm.configuration import ConfigError
 from jaxrl_llm.experiments.definition import (LEARNER, SAMPLER, Addresses, Experiment, JobSpec, WorkUnit,
-                                              flag_value, plan)
+                                              addresses_for, flag_value)
+from jaxrl_llm.experiments.planning import plan
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -172,9 +176,7 @@ def run_jobs(jobs: Sequence[JobSpec], log_dir: str, addresses: Addresses = Addre
 
 def run_work_unit(unit: WorkUnit, timeout_s: Optional[float] = None, python: str = sys.executable) -> WorkUnitResult:
   """Runs one work unit to completion and records it in ``<work unit>/work_unit.json``."""
-  exp = unit.experiment
-  addresses = Addresses(coordinator=f"127.0.0.1:{free_port()}" if exp.learner_processes > 1 else "",
-                        ray_head=f"127.0.0.1:{free_port()}" if exp.samplers else "")
+  addresses = addresses_for(unit.experiment, free_port)
   jobs = unit.jobs(addresses)
   os.makedirs(unit.log_dir, exist_ok=True)
   start = time.monotonic()
@@ -206,13 +208,21 @@ def run_experiment(experiment: Experiment, parallel: int = 1, timeout_s: Optiona
     One :class:`WorkUnitResult` per work unit, in sweep order.
 
   Raises:
-    ConfigError: before anything starts, naming the work unit and the field.
+    ConfigError: before anything starts, naming the work unit and the field, or
+      ``parallel`` > 1 with fixed addresses (``ray_head``, ``coordinator``) that
+      concurrent work units would all bind.
   """
   units = plan(experiment)
+  fixed = [f"{k}={getattr(experiment, k)!r}" for k in ("ray_head", "coordinator") if getattr(experiment, k)]
+  if fixed and parallel > 1 and len(units) > 1:
+    raise ConfigError(f"parallel={parallel} with experiment {', '.join(fixed)}: concurrent work units would all "
+                      "listen on the same address; expected parallel=1, or empty addresses (free loopback ports)")
   os.makedirs(experiment.directory, exist_ok=True)
   with open(os.path.join(experiment.directory, "experiment.json"), "w") as f:
     json.dump({"name": experiment.name, "config": os.path.abspath(experiment.config),
                "learner_processes": experiment.learner_processes, "samplers": experiment.samplers,
+               "sampler_cpus": experiment.sampler_cpus, "sampler_gpus": experiment.sampler_gpus,
+               "ray_head": experiment.ray_head, "coordinator": experiment.coordinator,
                "work_units": [{"index": u.index, "directory": u.directory,
                                "point": {k: flag_value(k, v) for k, v in u.point.items()}} for u in units]},
               f, indent=2)

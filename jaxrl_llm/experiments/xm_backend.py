@@ -13,10 +13,31 @@ imported lazily, so the rest of the package works without it):
   learner) and the sampler nodes, and the point's config overrides reach the
   learner jobs as ``--config.<path>=<value>`` arguments through ``args``.
 
-The jobs run on the ``xm_local.Local`` executor (processes on this machine;
-addresses on 127.0.0.1). For a cluster, swap the executor and its spec (e.g.
-``xm_local.Vertex`` with ``xm.python_container``) and give the learner jobs the
-cluster's coordinator address; the job group and the arguments stay the same.
+Addresses come from :func:`~jaxrl_llm.experiments.definition.addresses_for`, as for
+the local backend: the experiment's ``ray_head`` and ``coordinator`` when set, else
+free ports on 127.0.0.1 of the launching machine. Sampler nodes bind loopback
+(``--node-ip-address=127.0.0.1``) only when ``ray_head`` is a loopback address.
+
+What runs where:
+
+* ``executor`` defaults to ``xm_local.Local()``: every job is a process on this
+  machine, and the default loopback addresses are right.
+* Any other executor is passed to every ``xm.Job`` as it is. The default
+  packageables are ``xm.binary`` s for ``xm_local.Local.Spec()`` (this Python, the
+  local ``ray`` command); a cluster executor needs packageables built for its spec
+  (for example ``xm.python_container`` for ``xm_local.Vertex``), passed as
+  ``launch(..., packages={"learner": ..., "sampler": ...})``: the learner one runs
+  ``python -m launch.train`` and takes the job's ``--key=value`` flags, the sampler
+  one runs the ``ray`` command with the job's arguments. It also needs
+  ``Experiment.ray_head`` set to the host that will run ``sampler_0`` (and
+  ``coordinator`` to the host of ``learner_0`` when ``learner_processes > 1``): a
+  free port on the launching machine is no address for a job on another host.
+  With fixed addresses an experiment must have one work unit (every work unit
+  would meet at the same address); :func:`launch` refuses more.
+* On a cluster the learner's host must also run a Ray node joined to the head
+  with none of the learner's GPUs (``ray start --address=<ray_head> --num-gpus=0``),
+  since a Ray driver attaches to a Ray node on its own host; this backend does not
+  start it (docs/experiments.md, "A cluster layout").
 """
 
 from __future__ import annotations
@@ -25,8 +46,10 @@ import shutil
 import sys
 from typing import Any, Mapping, Optional
 
+from jaxrl_llm.configuration import ConfigError
 from jaxrl_llm.experiments.definition import (LEARNER, SAMPLER, Addresses, Experiment, JobSpec, WorkUnit,
-                                              flag_value, plan)
+                                              addresses_for, flag_value)
+from jaxrl_llm.experiments.planning import plan
 from jaxrl_llm.experiments.local import REPO_ROOT, free_port
 
 
@@ -100,28 +123,48 @@ def work_unit_args(unit: WorkUnit) -> dict[str, dict[str, dict[str, str]]]:
   return {f"{LEARNER}_{i}": {"args": dict(point)} for i in range(unit.experiment.learner_processes)}
 
 
-def launch(experiment: Experiment, python: str = sys.executable, executor: Optional[Any] = None) -> Any:
+def launch(experiment: Experiment, python: str = sys.executable, executor: Optional[Any] = None,
+           packages: Optional[Mapping[str, Any]] = None) -> Any:
   """Validates every work unit, then adds one XManager work unit per sweep point.
 
   Args:
-    experiment: the definition (the same one the local backend runs).
-    python: interpreter of the learner jobs.
+    experiment: the definition (the same one the local backend runs); its
+      ``ray_head`` / ``coordinator`` when set, else free loopback ports
+      (:func:`~jaxrl_llm.experiments.definition.addresses_for`).
+    python: interpreter of the learner jobs (default packageables only).
     executor: an ``xm.Executor`` (default ``xm_local.Local()``).
+    packages: ``{"learner": xm.Packageable, "sampler": ...}`` for ``executor``'s spec
+      (``"sampler"`` only with sampler nodes); default: :func:`packageables` for the
+      Local executor.
 
   Returns:
     The XManager experiment (its work units are running when this returns).
 
   Raises:
-    ConfigError: before anything is created, naming the work unit and field.
+    ConfigError: before anything is created, naming the work unit and field, a
+      ``packages`` without the packageable a job needs, or fixed addresses
+      (``ray_head``, ``coordinator``) with more than one work unit.
   """
   units = plan(experiment)
+  fixed = [f"{k}={getattr(experiment, k)!r}" for k in ("ray_head", "coordinator") if getattr(experiment, k)]
+  if fixed and len(units) > 1:
+    raise ConfigError(f"experiment {', '.join(fixed)} with {len(units)} work units: XManager runs them at the same "
+                      "time and every one would listen on the same address; expected one work unit per experiment "
+                      "with fixed addresses, or empty addresses (free loopback ports, Local executor)")
+  kinds = [LEARNER] + ([SAMPLER] if experiment.samplers else [])
+  if packages is not None:
+    missing = [k for k in kinds if k not in packages]
+    if missing:
+      raise ConfigError(f"launch packages={sorted(packages)}: expected a packageable for {missing} too")
   xm, xm_local = import_xm()
   executor = executor if executor is not None else xm_local.Local()
-  pk = packageables(xm, xm_local, bool(experiment.samplers), python)
+  if packages is not None:
+    pk = {k: packages[k] for k in kinds}
+  else:
+    pk = packageables(xm, xm_local, bool(experiment.samplers), python)
   with xm_local.create_experiment(experiment_title=experiment.name) as xp:
     executables = dict(zip(pk, xp.package(list(pk.values()))))
     for unit in units:
-      addresses = Addresses(coordinator=f"127.0.0.1:{free_port()}" if experiment.learner_processes > 1 else "",
-                            ray_head=f"127.0.0.1:{free_port()}" if experiment.samplers else "")
+      addresses = addresses_for(experiment, free_port)
       xp.add(job_group(xm, executables, executor, unit, addresses), args=work_unit_args(unit))
   return xp

@@ -27,9 +27,21 @@ from typing import Any, Callable, Optional
 from jaxrl_llm.learner import multihost
 from jaxrl_llm.rollout import sources
 from jaxrl_llm.rollout.lagged import LaggedSource, ParamsWindow
+from jaxrl_llm.sampling.vllm_engine import VllmEngineConfig
 from jaxrl_llm.tasks import curation
 
-__all__ = ["SourceFactory"]
+__all__ = ["SourceFactory", "vllm_engine_config"]
+
+
+def vllm_engine_config(config: Any) -> VllmEngineConfig:
+  """The vLLM engine of each sampler actor from ``sampler.vllm.*`` and ``rollout.weight_transport``."""
+  v, r = config.sampler.vllm, config.rollout
+  return VllmEngineConfig(
+      tensor_parallel_size=v.tensor_parallel_size, dtype=None if v.dtype == "auto" else v.dtype,
+      gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+      enable_prefix_caching=v.enable_prefix_caching, max_model_len=v.max_model_len or None,
+      seed=config.seed if v.seed < 0 else v.seed, transport=r.weight_transport,
+      bucket_bytes=r.weight_bucket_mb * 2**20)
 
 
 class SourceFactory:
@@ -91,7 +103,8 @@ class SourceFactory:
         params=params, version=version, num_samplers=c.rollout.num_samplers, kind=c.sampler.kind,
         segment_tokens=c.rollout.segment_tokens, address=c.rollout.address, actor_cpus=c.rollout.actor_cpus,
         export_dir=sources.hf_export_dir(self.run_dir),
-        keep_versions=c.rollout.max_lag + 1 if c.rollout.exact_versions else 1)
+        keep_versions=c.rollout.max_lag + 1 if c.rollout.exact_versions else 1, platform=c.sampler.platform,
+        engine=vllm_engine_config(c), local_gpus=c.rollout.local_gpus, actor_gpus=c.rollout.actor_gpus)
     source = sources.PipelineSource(pool, self.prompts, self.encode_prompt, c.seed, start_step=step,
                                     base_version=version, group_size=c.rl.samples_per_prompt, max_lag=max_lag,
                                     chunks_per_step=c.rollout.chunks_per_step or c.rollout.num_samplers,

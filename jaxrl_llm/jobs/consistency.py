@@ -72,7 +72,8 @@ def _sample_with_actor(run: Any, prompts, key) -> Any:
   pool = sources.start_sampler_pool(model_config=run.model_config, sampler_config=run.sampler_config,
                                     tokenizer=run.tokenizer, params=run.params, version=version, num_samplers=1,
                                     address=c.rollout.address, actor_cpus=c.rollout.actor_cpus,
-                                    latest_version=lambda: version)
+                                    latest_version=lambda: version, platform=c.sampler.platform,
+                                    local_gpus=c.rollout.local_gpus, actor_gpus=c.rollout.actor_gpus)
   try:
     item = rollout.WorkItem(request_id=pool.new_request_id(), step=0, chunk=0,
                             prompts=tuple(tuple(int(t) for t in p) for p in prompts),

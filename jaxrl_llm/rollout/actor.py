@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import threading
 import time
 from typing import Any, Optional
 
 import numpy as np
 
+from jaxrl_llm.rollout import placement
 from jaxrl_llm.rollout.cluster import watch_driver
 from jaxrl_llm.rollout.schema import SCHEMA_VERSION, RolloutChunk, WorkItem
 from jaxrl_llm.rollout.segments import generate_in_segments
@@ -69,6 +71,9 @@ class SamplerSpec:
     keep_versions: weight versions each actor keeps for exact-version work items
       (``rollout.exact_versions``: the lag window, ``rollout.max_lag + 1``); 1:
       only the newest.
+    engine: the vLLM engine's :class:`~jaxrl_llm.sampling.vllm_engine.VllmEngineConfig`
+      (``sampler.vllm.*`` and ``rollout.weight_transport``); None: its defaults.
+    actor_gpus: ``rollout.actor_gpus`` (-1: what the sampler needs; see :attr:`gpus`).
   """
 
   model_config: Any
@@ -79,6 +84,20 @@ class SamplerSpec:
   platform: str = "cpu"
   model_path: str = ""
   keep_versions: int = 1
+  engine: Any = None
+  actor_gpus: float = -1.0
+
+  @property
+  def gpus(self) -> int:
+    """GPUs the actor asks Ray for (:func:`jaxrl_llm.rollout.placement.gpus_per_actor`)."""
+    engine = self.engine_config()
+    return placement.gpus_per_actor(self.kind, platform=self.platform, tensor_parallel_size=engine.tensor_parallel_size,
+                                    weight_transport=engine.transport, actor_gpus=self.actor_gpus)
+
+  def engine_config(self) -> Any:
+    """The vLLM engine settings (the defaults when none were given)."""
+    from jaxrl_llm.sampling.vllm_engine import VllmEngineConfig  # no vLLM import: a dataclass
+    return self.engine if self.engine is not None else VllmEngineConfig()
 
   def build(self, params: Any, version: int):
     """Constructs the sampler (in the actor's process)."""
@@ -91,8 +110,10 @@ class SamplerSpec:
       if not self.model_path:
         raise ValueError("SamplerSpec.model_path: the vLLM sampler needs an HF folder of the initial weights")
       # params are the weights already saved in model_path (same version); vLLM loads them from there.
+      # The actor holds exactly the engine's GPUs (and the NCCL sender's): see VllmEngineConfig.in_actor.
+      engine = self.engine_config().in_actor(nccl_port=_free_port())
       return VllmSampler(self.model_config, self.model_path, Fingerprint.from_dict(self.fingerprint),
-                         self.sampler_config, version=version)
+                         self.sampler_config, version=version, engine=engine)
     raise ValueError(f"SamplerSpec.kind={self.kind!r}: expected 'jax' or 'vllm'")
 
 
@@ -111,8 +132,7 @@ class SamplerWorker:
 
   def __init__(self, spec: SamplerSpec, params: Any, version: int, sampler_id: str):
     watch_driver()
-    if spec.platform and spec.kind == "jax":
-      os.environ.setdefault("JAX_PLATFORMS", spec.platform)
+    _pin_devices(spec)
     self.spec = spec
     self.sampler_id = sampler_id
     self.sampler = spec.build(params, version)
@@ -252,9 +272,63 @@ class SamplerWorker:
   def ping(self) -> str:
     return self.sampler_id
 
+  def describe(self) -> dict[str, Any]:
+    """Where this actor runs and what its sampler was built with (logged by the pool at start).
+
+    ``gpu_ids``: the GPUs Ray assigned; ``cuda_visible_devices``: what the process (and a
+    vLLM engine's workers) see; ``engine_kwargs``: the exact ``vllm.LLM`` arguments.
+    """
+    try:
+      import ray  # pylint: disable=import-outside-toplevel
+      gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+    except ImportError:
+      gpu_ids = []
+    transport = getattr(getattr(self.sampler, "_transport", None), "name", "object_store")
+    return {"sampler_id": self.sampler_id, "kind": self.spec.kind, "pid": os.getpid(), "gpu_ids": gpu_ids,
+            "cuda_visible_devices": os.environ.get(placement.CUDA_VISIBLE),
+            "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+            "engine_kwargs": dict(getattr(self.sampler, "llm_kwargs", None) or {}), "weight_transport": transport}
+
+
+def _pin_devices(spec: SamplerSpec) -> None:
+  """Keeps the actor's process on its own devices, before anything initialises a JAX backend.
+
+  A JAX sampler runs on ``spec.platform``; an actor without GPUs sees none (a Ray worker
+  otherwise inherits its raylet's ``CUDA_VISIBLE_DEVICES``, every GPU of the node). Ray has
+  already set ``CUDA_VISIBLE_DEVICES`` of an actor with GPUs to exactly its own.
+  """
+  if not _in_ray_actor():  # a worker built in a test's own process leaves that process alone
+    return
+  if spec.gpus == 0:
+    os.environ[placement.CUDA_VISIBLE] = ""
+  if spec.kind == "jax":
+    platform = "cuda" if spec.platform == "gpu" else spec.platform
+    os.environ["JAX_PLATFORMS"] = platform
+    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+    if xla_bridge.backends_are_initialized():
+      raise RuntimeError(f"sampler actor: JAX was initialised before the actor could pin it to {platform!r}")
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.config.update("jax_platforms", platform)
+
+
+def _in_ray_actor() -> bool:
+  try:
+    import ray  # pylint: disable=import-outside-toplevel
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+  except Exception:  # no Ray, or no runtime context
+    return False
+
+
+def _free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on now (the actor's NCCL rendezvous)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return int(s.getsockname()[1])
+
 
 def remote_actor_class(num_cpus: float = 1.0):
-  """``SamplerWorker`` as a Ray actor class (threaded: weights can land while a call runs)."""
+  """``SamplerWorker`` as a Ray actor class (threaded: weights can land while a call runs); the
+  pool sets each actor's resources with ``.options`` (:class:`jaxrl_llm.rollout.placement.Placer`)."""
   import ray
 
   return ray.remote(num_cpus=num_cpus, max_concurrency=4, max_restarts=0)(SamplerWorker)

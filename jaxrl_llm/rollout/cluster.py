@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from jaxrl_llm.rollout import reaper
 
@@ -46,7 +46,8 @@ DRIVER_ENV = "JAXRL_LLM_DRIVER"  # "<boot id>/<pid namespace>/<pid>:<start ticks
 _LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> None:
+def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
+               gpu_ids: Optional[Sequence[str]] = None) -> None:
   """Connects to Ray once per process.
 
   Args:
@@ -55,6 +56,10 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
       local cluster bound to loopback (127.0.0.1), with no dashboard, whose
       processes end when this one does (see the module docstring).
     num_cpus: CPUs the local cluster advertises (default: the machine's).
+    gpu_ids: the GPUs a local cluster declares and hands to actors that ask for GPUs
+      (``CUDA_VISIBLE_DEVICES`` of its raylet while it starts; Ray gives an actor only
+      ids from this list). None or empty: no GPUs (Ray's own detection is not used, so
+      the learner's GPUs are never declared).
 
   Raises:
     ConnectionError: naming the address when a given cluster cannot be joined.
@@ -75,8 +80,9 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) ->
   if me:
     env[DRIVER_ENV] = me
   before = set(_children())
-  with _loopback_only():
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+  gpu_ids = [str(g) for g in gpu_ids or ()]
+  with _loopback_only(), _visible_gpus(gpu_ids):
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=len(gpu_ids), include_dashboard=False,
              dashboard_host=LOOPBACK, _node_ip_address=LOOPBACK, log_to_driver=True,
              runtime_env={"env_vars": env}, configure_logging=False)
   node_ip = ray.util.get_node_ip_address()
@@ -105,6 +111,25 @@ class _loopback_only:
       os.environ.pop(_LOOPBACK_SWITCH, None)
     else:
       os.environ[_LOOPBACK_SWITCH] = variable
+    return False
+
+
+class _visible_gpus:
+  """While a local cluster starts: ``CUDA_VISIBLE_DEVICES`` = the GPUs it may hand out (then restored)."""
+
+  def __init__(self, gpu_ids: Sequence[str]):
+    self._ids = ",".join(gpu_ids)
+
+  def __enter__(self):
+    self._saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = self._ids
+    return self
+
+  def __exit__(self, *exc):
+    if self._saved is None:
+      os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+      os.environ["CUDA_VISIBLE_DEVICES"] = self._saved
     return False
 
 

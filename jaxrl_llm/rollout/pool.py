@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from jaxrl_llm.rollout import placement
 from jaxrl_llm.rollout.actor import SamplerSpec, remote_actor_class
 from jaxrl_llm.rollout.cluster import ensure_ray
 from jaxrl_llm.rollout.repair import RepairBook
@@ -96,6 +97,9 @@ class SamplerPool:
       non-empty list rejects the whole chunk.
     address: Ray cluster address ("" or None: start a local cluster on loopback).
     actor_cpus: CPUs reserved per actor (Ray scheduling).
+    local_gpus: ``rollout.local_gpus``: the GPUs a local cluster started here offers to
+      the actors ("auto": the machine's GPUs that the learner's JAX does not use).
+      Each actor asks for ``spec.gpus`` of them (:mod:`jaxrl_llm.rollout.placement`).
     max_restarts: replacements per actor slot before the slot is given up.
     max_attempts: tries of one work item whose sampler call raises or whose
       answer is rejected, and of one row that is rejected.
@@ -103,13 +107,23 @@ class SamplerPool:
 
   def __init__(self, spec: SamplerSpec, params: Any, version: int, *, num_samplers: int,
                validate: Callable[[RolloutChunk], list[str]], address: Optional[str] = None,
-               actor_cpus: float = 1.0, max_restarts: int = 3, max_attempts: int = 3):
+               actor_cpus: float = 1.0, local_gpus: str = "auto", max_restarts: int = 3, max_attempts: int = 3):
     if num_samplers < 1:
       raise ValueError(f"rollout.num_samplers={num_samplers}: expected >= 1")
     import ray
 
     self._ray = ray
-    ensure_ray(address)
+    resources = placement.ActorResources(cpus=actor_cpus, gpus=spec.gpus)
+    if address:
+      ensure_ray(address)
+      cluster = f"the Ray cluster at rollout.address={address!r}"
+    else:
+      gpu_ids = placement.local_sampler_gpus(local_gpus, placement.learner_gpu_ids(), placement.machine_gpu_ids())
+      ensure_ray(None, gpu_ids=gpu_ids)
+      cluster = f"the local Ray cluster (rollout.local_gpus={local_gpus!r} gave {gpu_ids or 'no GPUs'})"
+    placement.check_capacity(resources, num_samplers, placement.node_gpus(ray), cluster=cluster, kind=spec.kind,
+                             weight_transport=spec.engine_config().transport)
+    self._placer = placement.Placer(ray, resources)
     self.spec = spec
     self.stats = PoolStats()
     self._validate = validate
@@ -129,8 +143,13 @@ class SamplerPool:
   # ---------------------------------------------------------------- actors
 
   def _start(self, name: str, restarts: int = 0) -> _Slot:
-    actor = self._cls.options(name=None).remote(self.spec, self._weights_ref, self._version, name)
+    actor = self._cls.options(name=None, **self._placer.options(name)).remote(self.spec, self._weights_ref,
+                                                                             self._version, name)
     return _Slot(name=name, actor=actor, restarts=restarts)
+
+  def describe(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+    """Each live actor's :meth:`~jaxrl_llm.rollout.actor.SamplerWorker.describe` (waits for them to start)."""
+    return self._ray.get([s.actor.describe.remote() for s in self._slots], timeout=timeout_s)
 
   @property
   def num_samplers(self) -> int:
@@ -272,6 +291,7 @@ class SamplerPool:
     """Replaces a dead actor (or gives its slot up after ``max_restarts``)."""
     log.warning("sampler %s died (%s); its in-flight work is re-queued", slot.name, type(error).__name__)
     self._slots.remove(slot)
+    self._placer.release(slot.name)
     if slot.restarts < self._max_restarts:
       self._slots.append(self._start(slot.name, slot.restarts + 1))
       self.stats.restarts += 1
@@ -312,6 +332,7 @@ class SamplerPool:
       except Exception:  # already dead
         pass
     self._slots = []
+    self._placer.release_all()
 
 
 def _to_host(params: Any) -> Any:

@@ -186,7 +186,9 @@ class DynamicSamplingSource(SyncSource):
 def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any, params: Any, version: int,
                        num_samplers: int, kind: str = "jax", segment_tokens: int = 0, address: str = "",
                        actor_cpus: float = 1.0, export_dir: str = "",
-                       latest_version: Optional[Callable[[], int]] = None, keep_versions: int = 1) -> Any:
+                       latest_version: Optional[Callable[[], int]] = None, keep_versions: int = 1,
+                       platform: str = "cpu", engine: Any = None, local_gpus: str = "auto",
+                       actor_gpus: float = -1.0) -> Any:
   """Starts a :class:`~jaxrl_llm.rollout.SamplerPool` whose chunks are validated against this run.
 
   Every chunk is checked (:func:`~jaxrl_llm.rollout.validate_chunk`) against the
@@ -194,7 +196,11 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
   ``kind="vllm"`` engines start from a Hugging Face folder of ``params``
   written to ``export_dir``. ``keep_versions``: weight versions each actor
   keeps for exact-version items (``rollout.max_lag + 1`` with
-  ``rollout.exact_versions``).
+  ``rollout.exact_versions``). ``platform``: where JAX sampler actors run; ``engine``:
+  the vLLM engines' :class:`~jaxrl_llm.sampling.vllm_engine.VllmEngineConfig`;
+  ``local_gpus``: the GPUs a local cluster offers (see :class:`~jaxrl_llm.rollout.SamplerPool`);
+  ``actor_gpus``: ``rollout.actor_gpus``.
+  Each actor's placement and engine arguments are logged once the actors are up.
   """
   from jaxrl_llm import bridge, rollout  # Ray is imported only when a pool starts
 
@@ -204,15 +210,21 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
     model_path = str(bridge.export_hf_checkpoint(params, model_config, export_dir, tokenizer=tokenizer))
   spec = rollout.SamplerSpec(model_config=model_config, sampler_config=sampler_config,
                              fingerprint=fingerprint.to_dict(), kind=kind, segment_tokens=segment_tokens,
-                             model_path=model_path, keep_versions=keep_versions)
+                             model_path=model_path, keep_versions=keep_versions, platform=platform,
+                             engine=engine, actor_gpus=actor_gpus)
   vocab = model_config.vocab_size
   holder: dict[str, Any] = {}
   newest = latest_version or (lambda: holder["pool"].published_version)
   pool = rollout.SamplerPool(
       spec, params, version, num_samplers=num_samplers, address=address or None, actor_cpus=actor_cpus,
-      validate=lambda chunk: rollout.validate_chunk(chunk, fingerprint=fingerprint, vocab_size=vocab,
+      local_gpus=local_gpus, validate=lambda chunk: rollout.validate_chunk(chunk, fingerprint=fingerprint, vocab_size=vocab,
                                                     latest_version=newest()))
   holder["pool"] = pool
+  for actor in pool.describe():
+    log.info("sampler actor %s (%s): GPUs %s, CUDA_VISIBLE_DEVICES=%r%s", actor["sampler_id"], actor["kind"],
+             actor["gpu_ids"] or "none", actor["cuda_visible_devices"],
+             f", engine {actor['engine_kwargs']}, weight transport {actor['weight_transport']}"
+             if actor["engine_kwargs"] else f", JAX_PLATFORMS={actor['jax_platforms']}")
   return pool
 
 

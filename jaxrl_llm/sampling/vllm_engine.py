@@ -163,8 +163,13 @@ class VllmEngineConfig:
     seed: engine seed (per-request seeds are set anyway).
     transport: "object_store" (default), "nccl" or "ipc" (see weight_transport).
     bucket_bytes: about this many bytes per weight RPC.
-    ipc_device / nccl_device: the learner-side CUDA device of those transports.
+    ipc_device / nccl_device: the sender's CUDA device of those transports.
+    ipc_devices: the CUDA devices of every engine worker (one per rank) when the
+      sender sees them all (a sampler actor); empty: ``(ipc_device,)``.
     nccl_host / nccl_port: rendezvous of the NCCL group.
+    executor_backend: vLLM's ``distributed_executor_backend`` at P > 1 ("mp":
+      worker processes that inherit the GPUs Ray gave the actor; "ray" would
+      ask Ray for GPUs again).
     extra_engine_args: any other ``vllm.LLM`` keyword (not the reserved ones).
   """
 
@@ -179,9 +184,11 @@ class VllmEngineConfig:
   transport: str = "object_store"
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   ipc_device: str = "cuda:0"
+  ipc_devices: tuple[str, ...] = ()
   nccl_device: str = "cuda:0"
   nccl_host: str = "127.0.0.1"
   nccl_port: int = 29517
+  executor_backend: str = "mp"
   extra_engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -194,6 +201,8 @@ class VllmEngineConfig:
       errors.append(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: expected in (0, 1]")
     if self.transport not in TRANSPORTS:
       errors.append(f"transport={self.transport!r}: expected one of {TRANSPORTS}")
+    if self.executor_backend not in ("mp", "ray"):
+      errors.append(f"executor_backend={self.executor_backend!r}: expected 'mp' or 'ray'")
     reserved = sorted(set(self.extra_engine_args) & set(_RESERVED_ENGINE_ARGS))
     if reserved:
       errors.append(f"extra_engine_args sets {reserved}, which VllmSampler sets itself")
@@ -202,6 +211,22 @@ class VllmEngineConfig:
 
   def engine_dtype(self, model_config: ModelConfig) -> str:
     return self.dtype or model_config.param_dtype
+
+  @property
+  def gpus(self) -> int:
+    """GPUs a process hosting this engine and its sender needs (P, one more for the NCCL sender)."""
+    return int(self.tensor_parallel_size) + (1 if self.transport == "nccl" else 0)
+
+  def in_actor(self, nccl_port: int) -> "VllmEngineConfig":
+    """This config for a process that holds exactly :attr:`gpus` GPUs (a sampler actor).
+
+    The engine's workers take ``cuda:0 .. cuda:P-1`` of the actor's visible GPUs; the IPC
+    sender shares buffers on each of them; the NCCL sender broadcasts from the extra
+    ``cuda:P`` over loopback on ``nccl_port`` (one group per actor).
+    """
+    p = int(self.tensor_parallel_size)
+    return dataclasses.replace(self, ipc_devices=tuple(f"cuda:{i}" for i in range(p)), nccl_device=f"cuda:{p}",
+                               nccl_host="127.0.0.1", nccl_port=int(nccl_port))
 
   def llm_kwargs(self, model_path: str, model_config: ModelConfig, sampler_config: SamplerConfig, *,
                  tokenizer_path: Optional[str] = None) -> dict[str, Any]:
@@ -214,6 +239,7 @@ class VllmEngineConfig:
         max_model_len=int(self.max_model_len or layout.max_length(model_config, sampler_config)),
         skip_tokenizer_init=bool(self.skip_tokenizer_init), generation_config="vllm",
         logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+        **({"distributed_executor_backend": self.executor_backend} if self.tensor_parallel_size > 1 else {}),
         **dict(self.extra_engine_args))
 
   def make_transport(self, model_config: ModelConfig) -> WeightTransport:
@@ -223,7 +249,8 @@ class VllmEngineConfig:
       return make_transport("object_store", tp_size=self.tensor_parallel_size, dtype=dtype,
                             bucket_bytes=self.bucket_bytes)
     if self.transport == "ipc":
-      return make_transport("ipc", device=self.ipc_device, dtype=dtype, bucket_bytes=self.bucket_bytes)
+      return make_transport("ipc", device=self.ipc_device, devices=self.ipc_devices, dtype=dtype,
+                            bucket_bytes=self.bucket_bytes)
     return make_transport("nccl", host=self.nccl_host, port=self.nccl_port, device=self.nccl_device, dtype=dtype,
                           bucket_bytes=self.bucket_bytes)
 

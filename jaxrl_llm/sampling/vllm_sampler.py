@@ -94,7 +94,8 @@ class VllmSampler(Sampler):
     self._version = int(version)
     self._calls = itertools.count()
     self.last_publish: Optional[PublishStats] = None
-    self._llm = vllm.LLM(**engine.llm_kwargs(self.model_path, model_config, config, tokenizer_path=tokenizer_path))
+    self.llm_kwargs = engine.llm_kwargs(self.model_path, model_config, config, tokenizer_path=tokenizer_path)
+    self._llm = vllm.LLM(**self.llm_kwargs)
     self._transport = transport or engine.make_transport(model_config)
     if engine.tensor_parallel_size > 1 and self._transport.name == "object_store":
       check_engine_layout(self.collective_rpc("report_parameter_shapes"),
