@@ -212,3 +212,13 @@ def test_pipeline_with_jax_actors_placed_on_declared_gpus_trains(gpu_cluster, tm
   assert len(rl) == 3 and all(np.isfinite(r["loss"]) for r in rl)
   assert all(r["pool/lost_items"] == 0 and r["pool/rejected"] == 0 for r in rl)
   assert {g["state"] for g in gpu_cluster.util.placement_group_table().values()} == {"REMOVED"}  # GPUs given back
+
+
+def test_a_sampler_gpu_that_is_the_learners_is_refused_before_an_actor_starts(gpu_cluster, tmp_path):
+  params = models.init_params(CONFIG, jax.random.PRNGKey(0))
+  spec = SamplerSpec(model_config=CONFIG, sampler_config=SamplerConfig(max_new_tokens=4),
+                     fingerprint=bridge.make_fingerprint(TOKENIZER, CONFIG).to_dict(), actor_gpus=1.0)
+  before = len(gpu_cluster.util.placement_group_table())
+  with pytest.raises(ConfigError, match=r"rollout.local_gpus='1,2': GPU\(s\) \['1'\] are the learner's"):
+    SamplerPool(spec, params, 0, num_samplers=1, actor_cpus=0.25, local_gpus="1,2", validate=lambda chunk: [])
+  assert len(gpu_cluster.util.placement_group_table()) == before

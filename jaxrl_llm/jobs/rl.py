@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import models, reward_model
+from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.diagnostics import control, guard as guard_lib, offpolicy, writers
 from jaxrl_llm.jobs import hooks as H
 from jaxrl_llm.jobs.advantages import AdvantageInputs, AdvantageSpec, compute_advantages, gae_advantages
@@ -72,8 +73,9 @@ class RLJob(Job):
     if self.grad_atoms:
       mesh_lib.check_grad_atoms(self.mesh, self.grad_atoms)
     if jax.process_count() > 1 and c.rollout.mode == "pipeline":
-      raise ValueError("rollout.mode='pipeline' with a multi-process learner: expected 'sync' (the Ray sampler "
-                       "pool is driven from one learner process)")
+      raise ConfigError(f"rollout.mode='pipeline' with a multi-process learner ({jax.process_count()} processes): "
+                        "expected rollout.mode='sync' (the Ray sampler pool is driven from one learner process; "
+                        "for sampler actors, run the learner as one process)")
     self.model_config = builders.build_model_config(c, self.tokenizer)
     self.task, self.long_prompts = check_prompts(self, c.rl.max_new_tokens)  # every row fits, or stop here
     self.critic_config = self.model_config.replace(value_head=True) if c.critic.enabled else None
