@@ -61,7 +61,7 @@ hypothesis_settings.load_profile("jaxrl_llm")
 XDIST_GROUPS = {
     "test_determinism.py": "runs", "test_multihost.py": "runs", "test_experiments.py": "runs",
     "test_rollout_pool.py": "ray", "test_offpolicy_loop.py": "ray", "test_ray_loopback.py": "ray",
-    "test_placement.py": "ray",
+    "test_placement.py": "ray", "test_gpu_check.py": "ray",
 }
 # Single long tests that get a group of their own, so that a free worker can take them while the
 # rest of their file's group runs on the other one.

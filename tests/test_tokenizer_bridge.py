@@ -274,3 +274,16 @@ def test_tokenizer_config_agreement():
     fp.check_tokenizer_matches_config(tok, _config(vocab_size=32, pad_token_id=5))
   with pytest.raises(ValueError, match="ModelConfig.vocab_size is 8"):
     fp.check_tokenizer_matches_config(tok, _config(vocab_size=8))
+
+
+def test_sampled_ids_past_the_tokenizer_decode_to_nothing_in_a_job():
+  """A model's padded embedding rows (vocab_size > the tokenizer's) can be sampled; the job's
+  decoding drops them instead of stopping the run (the tokenizer's own decode stays strict)."""
+  import types
+
+  from jaxrl_llm.jobs.base import Job
+  tok = build_char_tokenizer("0123456789+=")
+  ids = tok.encode("12") + [tok.vocab_size, tok.vocab_size + 40] + tok.encode("3")
+  assert Job.decode_response(types.SimpleNamespace(tokenizer=tok), ids) == "123"
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    tok.decode(ids)

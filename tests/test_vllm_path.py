@@ -345,18 +345,18 @@ def test_per_rank_shards_fill_each_rank_and_reassemble(params):
 
 # ------------------------------------------------------------------ gpu_check
 def test_gpu_check_statistics_by_hand():
-  from launch import gpu_check  # pylint: disable=import-outside-toplevel
+  from launch import gpu_engine  # pylint: disable=import-outside-toplevel
   learner = np.array([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, -3.0, -1.0]])
   behaviour = np.array([[0.0, -1.1, -1.0, 9.0], [0.0, -0.5, -3.3, -1.0]])
   mask = np.array([[False, True, True, False], [False, True, True, True]])
   # deltas 0.1, -1.0, 0.0, 0.3, 0.0 -> ratios 1.105, 0.368, 1, 1.35, 1: two outside [0.8, 1.25]
-  got = gpu_check.logprob_mismatch(learner, behaviour, mask)
+  got = gpu_engine.logprob_mismatch(learner, behaviour, mask)
   assert got["tokens"] == 5 and got["outside_share"] == pytest.approx(0.4)
   assert got["mean_abs"] == pytest.approx(1.4 / 5) and got["max_abs"] == pytest.approx(1.0)
   assert got["mean"] == pytest.approx(-0.6 / 5)
   with pytest.raises(ValueError, match="selects no token"):
-    gpu_check.logprob_mismatch(learner, behaviour, np.zeros_like(mask))
-  agree = gpu_check.greedy_agreement([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9, 9, 9], [7]])
+    gpu_engine.logprob_mismatch(learner, behaviour, np.zeros_like(mask))
+  agree = gpu_engine.greedy_agreement([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9, 9, 9], [7]])
   assert agree == {"rows_identical": pytest.approx(1 / 3), "prefix_share": pytest.approx((1 + 1 / 4 + 0) / 3)}
 
 

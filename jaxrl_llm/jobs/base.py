@@ -234,7 +234,11 @@ class Job(abc.ABC):
     return encode_prompt(self.tokenizer, prompt, self.config.task.use_chat_template)
 
   def decode_response(self, ids: list[int]) -> str:
-    return self.tokenizer.decode(ids, skip_special_tokens=True)
+    """The text of a sampled response. Ids past the tokenizer's vocabulary (a model's padded
+    embedding rows, e.g. Qwen2.5's 151,936 rows for 151,665 tokens) have no text and decode to
+    nothing, as Hugging Face tokenizers decode them, instead of stopping the run."""
+    known = self.tokenizer.vocab_size
+    return self.tokenizer.decode([i for i in ids if 0 <= int(i) < known], skip_special_tokens=True)
 
   def make_sft_step(self, optimizer: Any, grad_atoms: int = 0) -> Callable:
     """The jitted supervised step of this job's model (``learner.micro_batches``)."""

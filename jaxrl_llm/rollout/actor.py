@@ -272,6 +272,41 @@ class SamplerWorker:
   def ping(self) -> str:
     return self.sampler_id
 
+  def weight_report(self, min_version: int = -1, wait_timeout_s: float = 600.0, checksums: bool = False
+                    ) -> dict[str, Any]:
+    """The weights this actor's sampler holds, for checks that the learner's reached it.
+
+    Args:
+      min_version: first wait until the sampler holds at least this version (staged
+        weights are applied); -1: report what it holds now.
+      wait_timeout_s: how long to wait for it.
+      checksums: also sum every parameter (float64), between generation segments: the
+        vLLM engine's per-rank ``report_weight_checksum`` (compare with
+        :func:`jaxrl_llm.bridge.weight_transport.expected_checksums`), or the JAX
+        sampler's ``{keystr(path): sum}``.
+
+    Returns:
+      ``{"sampler_id", "policy_version", "last_publish"`` (the last load into a vLLM
+      engine: :class:`~jaxrl_llm.bridge.weight_transport.PublishStats` as a dict, or None),
+      ``"error"`` (a wait that timed out, or None) and, with ``checksums``, ``"checksums"``
+      (``{"kind": "vllm", "ranks": [...]}`` or ``{"kind": "jax", "sums": {...}}``)``}``.
+    """
+    out: dict[str, Any] = {"sampler_id": self.sampler_id, "error": None}
+    if min_version >= 0:
+      try:
+        self._wait_for_version(min_version, wait_timeout_s)
+      except TimeoutError as e:
+        out["error"] = str(e)
+    if checksums:
+      with self._lock:  # not while a segment generates
+        out["checksums"] = _checksums(self.sampler)
+        out["policy_version"] = int(self.sampler.policy_version)  # the version the sums are of
+    else:
+      out["policy_version"] = int(self.sampler.policy_version)
+    stats = getattr(self.sampler, "last_publish", None)
+    out["last_publish"] = stats.to_dict() if stats is not None else None
+    return out
+
   def describe(self) -> dict[str, Any]:
     """Where this actor runs and what its sampler was built with (logged by the pool at start).
 
@@ -288,6 +323,15 @@ class SamplerWorker:
             "cuda_visible_devices": os.environ.get(placement.CUDA_VISIBLE),
             "jax_platforms": os.environ.get("JAX_PLATFORMS"),
             "engine_kwargs": dict(getattr(self.sampler, "llm_kwargs", None) or {}), "weight_transport": transport}
+
+
+def _checksums(sampler: Any) -> dict[str, Any]:
+  """Per-parameter float64 sums of what ``sampler`` holds (see :meth:`SamplerWorker.weight_report`)."""
+  if hasattr(sampler, "collective_rpc"):
+    return {"kind": "vllm", "ranks": sampler.collective_rpc("report_weight_checksum")}
+  import jax  # pylint: disable=import-outside-toplevel
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(sampler.params))[0]
+  return {"kind": "jax", "sums": {jax.tree_util.keystr(k): float(np.asarray(v, np.float64).sum()) for k, v in leaves}}
 
 
 def _pin_devices(spec: SamplerSpec) -> None:
