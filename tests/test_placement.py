@@ -211,6 +211,10 @@ def test_pipeline_with_jax_actors_placed_on_declared_gpus_trains(gpu_cluster, tm
   rl = [r for r in records if "pipeline/queued_steps" in r]
   assert len(rl) == 3 and all(np.isfinite(r["loss"]) for r in rl)
   assert all(r["pool/lost_items"] == 0 and r["pool/rejected"] == 0 for r in rl)
+  actors = json.load(open(tmp_path / "summary.json"))["sampler_placement"]
+  ids = [a["gpu_ids"] for a in actors]
+  assert [len(i) for i in ids] == [1, 1] and len({i[0] for i in ids}) == 2 and {i[0] for i in ids} <= set(SAMPLER_GPUS)
+  assert all(a["jax_platforms"] == "cpu" for a in actors)  # GPUs reserved, JAX on the CPU (rollout.actor_gpus=1)
   assert {g["state"] for g in gpu_cluster.util.placement_group_table().values()} == {"REMOVED"}  # GPUs given back
 
 

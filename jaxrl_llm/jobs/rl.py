@@ -415,6 +415,7 @@ class RLJob(Job):
             "rl_steps": self.progress.step, "alerts": dict(self.alerts.counts),
             "rewards": {**self.score.runner_metrics(), **self.eval_rewards.metrics},
             "sampler_pool": pool.stats.as_metrics() if (pool := getattr(self.source, "pool", None)) else None,
+            "sampler_placement": pool.placement if pool else None,
             "guard_rollbacks": self.guard_hook.guard.state.rollbacks if self.guard_hook is not None else 0,
             "long_prompts": self.long_prompts,
             "controller": self.controller.get_state() if self.controller is not None else None}

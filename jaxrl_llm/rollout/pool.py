@@ -124,6 +124,7 @@ class SamplerPool:
     placement.check_capacity(resources, num_samplers, placement.node_gpus(ray), cluster=cluster, kind=spec.kind,
                              weight_transport=spec.engine_config().transport)
     self._placer = placement.Placer(ray, resources)
+    self.placement: list[dict[str, Any]] = []  # each actor's describe() at start (start_sampler_pool sets it)
     self.spec = spec
     self.stats = PoolStats()
     self._validate = validate

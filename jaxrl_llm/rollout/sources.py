@@ -200,7 +200,8 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
   the vLLM engines' :class:`~jaxrl_llm.sampling.vllm_engine.VllmEngineConfig`;
   ``local_gpus``: the GPUs a local cluster offers (see :class:`~jaxrl_llm.rollout.SamplerPool`);
   ``actor_gpus``: ``rollout.actor_gpus``.
-  Each actor's placement and engine arguments are logged once the actors are up.
+  Each actor's placement and engine arguments are logged once the actors are up and kept as
+  ``pool.placement`` (the run's summary.json reports them).
   """
   from jaxrl_llm import bridge, rollout  # Ray is imported only when a pool starts
 
@@ -220,7 +221,8 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
       local_gpus=local_gpus, validate=lambda chunk: rollout.validate_chunk(chunk, fingerprint=fingerprint, vocab_size=vocab,
                                                     latest_version=newest()))
   holder["pool"] = pool
-  for actor in pool.describe():
+  pool.placement = pool.describe()
+  for actor in pool.placement:
     log.info("sampler actor %s (%s): GPUs %s, CUDA_VISIBLE_DEVICES=%r%s", actor["sampler_id"], actor["kind"],
              actor["gpu_ids"] or "none", actor["cuda_visible_devices"],
              f", engine {actor['engine_kwargs']}, weight transport {actor['weight_transport']}"
