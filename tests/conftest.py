@@ -57,11 +57,12 @@ hypothesis_settings.load_profile("jaxrl_llm")
 # its module fixtures (models, sampler results, compiled programs) are built once, not once per
 # worker. Some files share a group: the whole-run tests share session fixtures (the determinism
 # variants that the multi-host test compares against) and start subprocesses of their own, and the
-# Ray tests each start a local Ray cluster sized to the machine.
+# Ray tests each start a local Ray cluster sized to the machine (test_gpu_check.py's one pipeline run
+# and the pipeline-resume test start theirs on the other worker).
 XDIST_GROUPS = {
-    "test_determinism.py": "runs", "test_multihost.py": "runs", "test_experiments.py": "runs",
+    "test_determinism.py": "runs", "test_multihost.py": "runs",
     "test_rollout_pool.py": "ray", "test_offpolicy_loop.py": "ray", "test_ray_loopback.py": "ray",
-    "test_placement.py": "ray", "test_gpu_check.py": "ray",
+    "test_placement.py": "ray",
 }
 # Single long tests that get a group of their own, so that a free worker can take them while the
 # rest of their file's group runs on the other one.
@@ -69,9 +70,9 @@ OWN_GROUP = {"test_pipeline_sigkill_then_resume_matches_an_uninterrupted_run": "
 # The longest files start first (a worker takes the next group when it is free; with
 # --no-loadscope-reorder the groups keep this order), so that none of them is left for the end
 # while the other worker idles.
-LONG_FIRST = ("test_learner_e2e.py", "test_determinism.py", "test_multihost.py", "test_experiments.py",
-              "test_offpolicy_loop.py", "test_rollout_pool.py", "test_jobs.py", "test_learner_run.py",
-              "test_offpolicy_corrections.py", "test_checkpoint_integrity.py", "test_jobs_rewards.py",
+LONG_FIRST = ("test_learner_e2e.py", "test_determinism.py", "test_multihost.py", "test_offpolicy_loop.py",
+              "test_rollout_pool.py", "test_experiments.py", "test_gpu_check.py", "test_jobs.py",
+              "test_learner_run.py", "test_offpolicy_corrections.py", "test_checkpoint_integrity.py", "test_jobs_rewards.py",
               "test_tasks_reward_runner.py", "test_prompt_check.py", "test_faults.py",
               "test_reward_model_train.py", "test_objectives_invariance.py")
 
