@@ -72,7 +72,8 @@ OWN_GROUP = {"test_pipeline_sigkill_then_resume_matches_an_uninterrupted_run": "
 # while the other worker idles.
 LONG_FIRST = ("test_learner_e2e.py", "test_determinism.py", "test_multihost.py", "test_offpolicy_loop.py",
               "test_rollout_pool.py", "test_experiments.py", "test_gpu_check.py", "test_jobs.py",
-              "test_learner_run.py", "test_offpolicy_corrections.py", "test_checkpoint_integrity.py", "test_jobs_rewards.py",
+              "test_learner_run.py", "test_offpolicy_corrections.py", "test_checkpoint_integrity.py",
+              "test_jobs_rewards.py",
               "test_tasks_reward_runner.py", "test_prompt_check.py", "test_faults.py",
               "test_reward_model_train.py", "test_objectives_invariance.py")
 
