@@ -163,6 +163,7 @@ def vllm_pool(params, hf_dir, tp, num, engine=None):
 def test_actors_get_disjoint_gpus_never_the_learners_and_the_configured_engine(gpu_cluster, tmp_path):
   ray = gpu_cluster
   assert ray.cluster_resources().get("GPU") == len(SAMPLER_GPUS)
+  assert placement.learner_node_gpus(ray) == len(SAMPLER_GPUS)  # this host's node (a joined cluster warns)
   params = models.init_params(CONFIG, jax.random.PRNGKey(0))
   tp1 = vllm_pool(params, tmp_path / "a", tp=1, num=2)
   tp2 = vllm_pool(params, tmp_path / "b", tp=2, num=1)

@@ -226,6 +226,13 @@ def node_gpus(ray: Any) -> list[float]:
   return [float(n.get("Resources", {}).get("GPU", 0.0)) for n in ray.nodes() if n.get("Alive", True)]
 
 
+def learner_node_gpus(ray: Any) -> float:
+  """GPUs that the Ray node on this (the learner's) host declares; 0 when it has no node in the cluster."""
+  here = ray.util.get_node_ip_address()
+  return sum(float(n.get("Resources", {}).get("GPU", 0.0)) for n in ray.nodes()
+             if n.get("Alive", True) and n.get("NodeManagerAddress") == here)
+
+
 class Placer:
   """Creates sampler actors with their resources, one placement group per GPU actor.
 
@@ -275,5 +282,5 @@ class Placer:
 
 
 __all__ = ["ActorResources", "CUDA_VISIBLE", "PLATFORMS", "Placer", "check_capacity", "gpus_per_actor",
-           "learner_gpu_ids", "local_sampler_gpus", "machine_gpu_ids", "node_gpus", "parse_gpu_ids",
+           "learner_gpu_ids", "learner_node_gpus", "local_sampler_gpus", "machine_gpu_ids", "node_gpus", "parse_gpu_ids",
            "visible_gpu_ids"]
