@@ -182,6 +182,10 @@ class RewardSettings:
                                      "reward.failure_steps steps in a row; 1: never stop", UNIT)
   failure_steps: int = setting(3, "consecutive failing steps (see max_failure_share) that stop the run; evaluation "
                                "failures count as wrong answers and never stop it", POSITIVE_INT)
+  functions: tuple = setting((), "the RL reward as weighted components, e.g. \"(('my_pkg.rewards:fmt', 0.2), "
+                             "('task', 1.0))\": 'task' (the task's reward) or any importable fn(example, "
+                             "response_text) -> float, each run under these limits and logged as "
+                             "reward/<name>/mean; empty: the task's reward alone (jaxrl_llm.tasks.reward_plugins)")
 
   def __post_init__(self):
     check(self, "reward")

@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_llm import tasks
+from jaxrl_llm.tasks import reward_plugins
 from jaxrl_llm.configuration.schema import (ConfigError, build_part, field_path, parts, plain, section_node,
                                             sections, subsections)
 from jaxrl_llm.learner.builders import (correction_errors, kwarg_errors, objective_errors, recipe_call,
@@ -31,7 +32,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   errors = declared_errors(config)
   if not errors:
     errors = (construction_errors(config) + objective_errors(config) + correction_errors(config)
-              + cross_field_errors(config) + placement_errors(config) + mixing_errors(config))
+              + cross_field_errors(config) + placement_errors(config) + mixing_errors(config)
+              + reward_plugins.check_components(config.reward.functions))
   if errors:
     raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
   return config

@@ -37,7 +37,7 @@ from jaxrl_llm.jobs.demonstrations import DemonstrationStream, mix_demonstration
 from jaxrl_llm.jobs.stale_check import StaleConsistencyCheck
 from jaxrl_llm.jobs.evaluation import PolicyEvaluator
 from jaxrl_llm.jobs.prompt_check import check_prompts
-from jaxrl_llm.jobs.score import RewardStage, reward_runner
+from jaxrl_llm.jobs.score import RewardStage, reward_runner, training_rewards
 from jaxrl_llm.jobs.update import PolicyUpdate, RunState
 from jaxrl_llm.learner import builders, mesh as mesh_lib, multihost, optim, rl_step, update
 from jaxrl_llm.learner.state import create_train_state
@@ -123,7 +123,9 @@ class RLJob(Job):
     self.eval_rewards = runner.sharing("eval")
     self.register_state("eval_rewards", self.eval_rewards)
     sequence_rewards = reward_model.build_sequence_rewards(c, self.mesh, self.tokenizer, self.task, self.greedy)
-    self.score = RewardStage(runner, self.decode_response, n, sequence_rewards=sequence_rewards,
+    train_rewards = training_rewards(self.task, self.settings.reward, runner)  # reward.functions: weighted plug-ins
+    self.on_close(train_rewards.close)
+    self.score = RewardStage(train_rewards, self.decode_response, n, sequence_rewards=sequence_rewards,
                              reward_clip=c.advantage.reward_clip,
                              record=self.prompts.record if c.data.curate else None)
     self.register_state("rewards", self.score)

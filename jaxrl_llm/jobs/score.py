@@ -1,7 +1,8 @@
 """The score stage of an RL step: sequence rewards of the sampled responses.
 
 ``rewards = clip(rule_weight * task reward + rm_weight * processed RM score)``
-where the task's rule reward runs in a guarded runner (:func:`reward_runner`: a
+where the task's rule reward (or the weighted components of ``reward.functions``:
+:func:`training_rewards`) runs in a guarded runner (:func:`reward_runner`: a
 pool of worker processes; timeouts, exceptions, crashes and memory errors score 0
 and are counted, and a reward that fails on most calls for ``reward.failure_steps``
 steps stops the run: :meth:`RewardStage.end_step`), the reward
@@ -17,10 +18,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxrl_llm.tasks import RewardRunner, reward_runner as reward_runner_lib
+from jaxrl_llm.tasks import RewardRunner, reward_plugins, reward_runner as reward_runner_lib
 from jaxrl_llm.types import Trajectory
 
-__all__ = ["RewardStage", "RUNNER_COUNTERS", "reward_runner"]
+__all__ = ["RewardStage", "RUNNER_COUNTERS", "reward_runner", "training_rewards"]
 
 # RewardRunner counters saved with the run's progress (cumulative over the whole run).
 RUNNER_COUNTERS = reward_runner_lib.COUNTERS
@@ -31,6 +32,18 @@ def reward_runner(fn: Callable[[Any, str], float], settings: Any, name: str = "t
   return RewardRunner(fn, name=name, mode=settings.mode, timeout_s=settings.timeout_s, workers=settings.workers,
                       memory_mb=settings.memory_mb, cpu_seconds=settings.cpu_seconds,
                       max_failure_share=settings.max_failure_share, failure_steps=settings.failure_steps)
+
+
+def training_rewards(task: Any, settings: Any, task_runner: RewardRunner) -> Any:
+  """The runner the RL reward comes from: ``task_runner``, or the weighted components of
+  ``reward.functions`` (:mod:`jaxrl_llm.tasks.reward_plugins`), each in a guarded runner of its
+  own (the ``"task"`` component reuses ``task_runner``)."""
+  components = reward_plugins.parse_components(settings.functions)
+  if not components:
+    return task_runner
+  runners = [(c, task_runner if c.name == reward_plugins.TASK
+              else reward_runner(reward_plugins.resolve(c.name, task), settings, name=c.label)) for c in components]
+  return reward_plugins.WeightedRewards(runners)
 
 
 class RewardStage:
@@ -61,9 +74,10 @@ class RewardStage:
     n = self.group_size
     pairs = [(examples[i // n], self.decode(r)) for i, r in enumerate(response_tokens)]
     rewards = np.asarray(self.runner.score(pairs), np.float32)
-    metrics: dict[str, Any] = {}
+    metrics: dict[str, Any] = dict(self.runner.step_metrics()) if hasattr(self.runner, "step_metrics") else {}
     if self.sequence_rewards is not None:
-      rewards, metrics = self.sequence_rewards(examples, pairs, trajectory, rewards)
+      rewards, rm_metrics = self.sequence_rewards(examples, pairs, trajectory, rewards)
+      metrics.update(rm_metrics)
     if self.reward_clip:
       rewards = np.clip(rewards, -self.reward_clip, self.reward_clip)
     if self.record is not None:
