@@ -116,3 +116,85 @@ def test_a_user_reward_module_trains_end_to_end_in_worker_processes(tmp_path, us
     assert r["reward/short_bonus/failures"] == 0 and r["reward/short_bonus/calls"] > 0
   summary = json.load(open(tmp_path / "run" / "summary.json"))
   assert summary["rewards"]["reward/short_bonus/calls"] == rl[-1]["reward/short_bonus/calls"]
+
+
+# ------------------------------------------------------------------------------ a reward server on 127.0.0.1
+
+
+class RewardServer:
+  """A reward server started by the test: 1.0 for a response that holds a digit; ``stop()`` kills it."""
+
+  def __init__(self, answer=None):
+    import http.server
+    import threading
+
+    self.batches = []
+    server = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def do_POST(self):  # noqa: N802 (http.server's name)
+        items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
+        server.batches.append(len(items))
+        rewards = [float(any(ch.isdigit() for ch in it["response"])) for it in items]
+        body = json.dumps(answer(rewards) if answer else {"rewards": rewards}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+      def log_message(self, *args):
+        pass
+
+    self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+    self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+    self.thread.start()
+
+  def stop(self):
+    self.httpd.shutdown()
+    self.httpd.server_close()
+
+
+def test_a_reward_server_scores_batches_and_a_malformed_answer_is_counted():
+  from jaxrl_llm.tasks.remote_reward import RemoteReward, RemoteRewardRunner
+  server = RewardServer()
+  try:
+    runner = RemoteRewardRunner(RemoteReward(server.url, timeout_s=5, retries=0), name="remote")
+    np.testing.assert_array_equal(runner.score([(None, "a1"), (None, "b"), (None, "7")]), [1.0, 0.0, 1.0])
+    assert server.batches == [3]  # one request per batch
+  finally:
+    server.stop()
+  short = RewardServer(answer=lambda rewards: {"rewards": rewards[:-1]})
+  try:
+    runner = RemoteRewardRunner(RemoteReward(short.url, timeout_s=5, retries=1, backoff_s=0.0), name="remote")
+    np.testing.assert_array_equal(runner.score([(None, "1"), (None, "2")]), [0.0, 0.0])
+    assert runner.failures == 2 and short.batches == [2, 2]  # retried once, then counted
+  finally:
+    short.stop()
+
+
+def test_a_reward_server_serves_a_run_and_its_outage_is_counted_and_survived(tmp_path):
+  server = RewardServer()
+
+  class KillServer:  # a job hook: the server goes away after RL step 1
+    name = "kill_reward_server"
+
+    def due(self, step):
+      return step == 1
+
+    def __call__(self, job, step, metrics):
+      server.stop()
+      return {}
+
+  run = jobs.RLJob(tiny_config(tmp_path / "run", rl__steps=3, checkpoint__every=100, export__hf=False, eval__every=100,
+                               reward__functions=((server.url, 0.5), ("task", 1.0)), reward__remote_retries=1,
+                               reward__failure_steps=5))
+  run.add_hook(KillServer())
+  run.train()  # the outage does not stop the run (it would after reward.failure_steps failing steps)
+  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  rl = [r for r in records if "reward/remote/mean" in r]
+  assert len(rl) == 3
+  assert rl[0]["reward/remote/failures"] == 0 and server.batches  # served while it was up
+  calls_per_step = rl[0]["reward/remote/calls"]
+  assert rl[-1]["reward/remote/failures"] + rl[-1].get("reward/remote/timeouts", 0) >= calls_per_step  # counted
+  assert rl[-1]["reward/remote/mean"] == 0.0 and rl[-1]["reward/task/calls"] == 3 * calls_per_step

@@ -183,9 +183,13 @@ class RewardSettings:
   failure_steps: int = setting(3, "consecutive failing steps (see max_failure_share) that stop the run; evaluation "
                                "failures count as wrong answers and never stop it", POSITIVE_INT)
   functions: tuple = setting((), "the RL reward as weighted components, e.g. \"(('my_pkg.rewards:fmt', 0.2), "
-                             "('task', 1.0))\": 'task' (the task's reward) or any importable fn(example, "
-                             "response_text) -> float, each run under these limits and logged as "
+                             "('task', 1.0))\": 'task' (the task's reward), any importable fn(example, "
+                             "response_text) -> float, or a reward server's http(s):// URL (batched JSON, "
+                             "jaxrl_llm.tasks.remote_reward); each runs under these limits and is logged as "
                              "reward/<name>/mean; empty: the task's reward alone (jaxrl_llm.tasks.reward_plugins)")
+  remote_retries: int = setting(2, "a reward server's request that fails (cannot connect, times out after "
+                                "reward.timeout_s, HTTP error, malformed answer) is retried this many times, then its "
+                                "items score 0 and are counted", NONNEG_INT)
 
   def __post_init__(self):
     check(self, "reward")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxrl_llm.tasks import RewardRunner, reward_plugins, reward_runner as reward_runner_lib
+from jaxrl_llm.tasks import RewardRunner, remote_reward, reward_plugins, reward_runner as reward_runner_lib
 from jaxrl_llm.types import Trajectory
 
 __all__ = ["RewardStage", "RUNNER_COUNTERS", "reward_runner", "training_rewards"]
@@ -41,8 +41,17 @@ def training_rewards(task: Any, settings: Any, task_runner: RewardRunner) -> Any
   components = reward_plugins.parse_components(settings.functions)
   if not components:
     return task_runner
-  runners = [(c, task_runner if c.name == reward_plugins.TASK
-              else reward_runner(reward_plugins.resolve(c.name, task), settings, name=c.label)) for c in components]
+  runners = []
+  for c in components:
+    if c.name == reward_plugins.TASK:
+      runner = task_runner
+    elif remote_reward.is_url(c.name):
+      client = remote_reward.RemoteReward(c.name, timeout_s=settings.timeout_s, retries=settings.remote_retries)
+      runner = remote_reward.RemoteRewardRunner(client, name=c.label, max_failure_share=settings.max_failure_share,
+                                                failure_steps=settings.failure_steps)
+    else:
+      runner = reward_runner(reward_plugins.resolve(c.name, task), settings, name=c.label)
+    runners.append((c, runner))
   return reward_plugins.WeightedRewards(runners)
 
 

@@ -10,7 +10,9 @@
   example of the prompt (for a JSONL task, its row's fields), ``response_text`` the decoded
   response. It runs where the task's reward runs (``reward.mode``: a worker process by
   default, so the module must be importable from the run's working directory or
-  ``PYTHONPATH``).
+  ``PYTHONPATH``);
+* ``"http://host:port/path"`` is a reward server, sent each batch in one request
+  (:mod:`jaxrl_llm.tasks.remote_reward`: the JSON protocol, timeout, retries); label ``remote``.
 
 The RL reward is ``sum_i weight_i * r_i``. Each component runs in a guarded
 :class:`~jaxrl_llm.tasks.RewardRunner` of its own (``reward.*`` limits), so a raising,
@@ -32,8 +34,10 @@ import numpy as np
 
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.settings import did_you_mean
+from jaxrl_llm.tasks import remote_reward
 
 TASK = "task"
+REMOTE = "remote"  # the label of a reward server's component (remote_1, ... for more)
 FIELD = "reward.functions"
 
 
@@ -65,11 +69,13 @@ def parse_components(value: Any) -> list[RewardComponent]:
     if not isinstance(entry, (tuple, list)) or len(entry) != 2:
       raise ConfigError(f"{where}: expected a (name, weight) pair")
     name, weight = entry
-    if not isinstance(name, str) or not (name == TASK or _is_import_path(name)):
-      raise ConfigError(f"{where}: the name must be 'task' or an import path 'package.module:callable'")
+    if not isinstance(name, str) or not (name == TASK or _is_import_path(name) or remote_reward.is_url(name)):
+      raise ConfigError(f"{where}: the name must be 'task', an import path 'package.module:callable' or a reward "
+                        "server's http(s):// URL")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
       raise ConfigError(f"{where}: the weight must be a finite number")
-    label = TASK if name == TASK else name.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+    label = (TASK if name == TASK else REMOTE if remote_reward.is_url(name)
+             else name.rsplit(":", 1)[1].rsplit(".", 1)[-1])
     if any(c.name == name for c in out):
       raise ConfigError(f"{where}: {name!r} is listed twice")
     if label in labels:
@@ -119,7 +125,7 @@ def check_components(value: Any) -> list[str]:
   try:
     components = parse_components(value)
     for c in components:
-      if c.name != TASK:
+      if c.name != TASK and not remote_reward.is_url(c.name):
         resolve(c.name)
   except ConfigError as e:
     return [str(e)]
@@ -181,4 +187,4 @@ class WeightedRewards:
       runner.close()
 
 
-__all__ = ["FIELD", "RewardComponent", "TASK", "WeightedRewards", "check_components", "parse_components", "resolve"]
+__all__ = ["FIELD", "REMOTE", "RewardComponent", "TASK", "WeightedRewards", "check_components", "parse_components", "resolve"]
