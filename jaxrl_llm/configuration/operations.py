@@ -262,6 +262,10 @@ class LogSettings:
 
   progress: bool = setting(True, "show a progress bar", BOOL)
   tensorboard: bool = setting(True, "write TensorBoard event files", BOOL)
+  wandb: bool = setting(False, "also log to Weights & Biases (the [wandb] extra; WANDB_MODE=offline works without a "
+                        "network; jaxrl_llm.diagnostics.wandb_sink)", BOOL)
+  wandb_project: str = setting("jaxrl_llm", "log.wandb: the W&B project", NONEMPTY_STRING)
+  wandb_entity: str = setting("", "log.wandb: the W&B entity (team or user); empty: your default", STRING)
   every: int = setting(1, "steps between two metrics records", POSITIVE_INT)
 
   def __post_init__(self):

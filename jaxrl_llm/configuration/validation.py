@@ -23,6 +23,7 @@ from jaxrl_llm.configuration.schema import (ConfigError, build_part, field_path,
                                             sections, subsections)
 from jaxrl_llm.learner.builders import (correction_errors, kwarg_errors, objective_errors, recipe_call,
                                         unknown_kwargs)
+from jaxrl_llm.diagnostics import wandb_sink
 from jaxrl_llm.rollout import placement
 from jaxrl_llm.settings import config_fields, field_errors
 
@@ -33,7 +34,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not errors:
     errors = (construction_errors(config) + objective_errors(config) + correction_errors(config)
               + cross_field_errors(config) + placement_errors(config) + mixing_errors(config)
-              + reward_plugins.check_components(config.reward.functions))
+              + reward_plugins.check_components(config.reward.functions) + sink_errors(config))
   if errors:
     raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
   return config
@@ -87,6 +88,17 @@ def construction_errors(config: ml_collections.ConfigDict) -> list[str]:
       text, prefix = str(e), field_path(part.section, "") if part.section else ""
       errors.append(text if prefix and text.startswith(prefix) else f"{part.section or 'config'}: {text}")
   return list(dict.fromkeys(errors))
+
+
+def sink_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """An optional metrics sink whose package is missing (``log.wandb`` without wandb)."""
+  if not config.log.wandb:
+    return []
+  try:
+    wandb_sink.check_available()
+  except ConfigError as e:
+    return [str(e)]
+  return []
 
 
 def placement_errors(config: ml_collections.ConfigDict) -> list[str]:

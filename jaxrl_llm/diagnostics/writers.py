@@ -1,4 +1,4 @@
-"""Metric sinks: JSONL log, TensorBoard event files, and a terminal progress bar.
+"""Metric sinks: JSONL log, TensorBoard event files, a terminal progress bar (and W&B: wandb_sink.py).
 
 ``MetricsWriter`` fans one ``write(step, metrics)`` call out to every sink. Values
 are converted to Python floats once (a single device-to-host transfer per step).
@@ -109,11 +109,11 @@ class ProgressBar:
 
 
 class MetricsWriter:
-  """JSONL + TensorBoard + progress bar behind one ``write`` call."""
+  """JSONL + TensorBoard (+ any ``extra_sinks``, e.g. W&B) + progress bar behind one ``write`` call."""
 
   def __init__(self, run_dir: str, total_steps: int, description: str = "train",
                progress: bool = True, tensorboard: bool = True, jsonl_name: str = "metrics.jsonl",
-               purge_step: Optional[int] = None):
+               purge_step: Optional[int] = None, extra_sinks: tuple = ()):
     os.makedirs(run_dir, exist_ok=True)
     self.jsonl_path = os.path.join(run_dir, jsonl_name)
     self.tb_dir = os.path.join(run_dir, "tensorboard")
@@ -121,6 +121,7 @@ class MetricsWriter:
     self._sinks: list[Any] = [self._jsonl]
     if tensorboard:
       self._sinks.append(TensorBoardWriter(self.tb_dir, purge_step))
+    self._sinks.extend(extra_sinks)  # more sinks with write(step, metrics) / close() (W&B: wandb_sink.py)
     self._bar = ProgressBar(total_steps, description, enabled=progress)
 
   @property

@@ -52,7 +52,7 @@ import jax
 import ml_collections
 
 from jaxrl_llm import bridge, configuration
-from jaxrl_llm.diagnostics import writers
+from jaxrl_llm.diagnostics import wandb_sink, writers
 from jaxrl_llm.jobs import resume
 from jaxrl_llm.jobs.resume import NonFiniteError
 from jaxrl_llm.learner import builders, checkpoint, mesh as mesh_lib, multihost, sft
@@ -275,9 +275,11 @@ class Job(abc.ABC):
       self.close()
       return done
     purge_step = resume.start(self)
+    sinks = (wandb_sink.WandbWriter(self.out_dir, project=c.log.wandb_project, entity=c.log.wandb_entity,
+                                    name=c.name, config=c.to_dict()),) if c.log.wandb else ()
     writer = self._metrics = writers.MetricsWriter(self.out_dir, c.sft.steps + self.main_steps(), description=c.name,
                                                    progress=c.log.progress, tensorboard=c.log.tensorboard,
-                                                   purge_step=purge_step)
+                                                   purge_step=purge_step, extra_sinks=sinks)
     try:
       if self.progress.phase == "sft":
         if c.sft.steps:
