@@ -44,7 +44,8 @@ class ActorProbe:
 
   After every RL step: the actors' placement (``SamplerPool.describe()``, once) and the last
   weight load of each actor's sampler (``last_publish``: vLLM's :class:`PublishStats`; the JAX
-  sampler has none, via :meth:`~jaxrl_llm.rollout.SamplerWorker.weight_report`), returned as ``gpu_check/actor_load_s`` / ``gpu_check/actor_load_mb``
+  sampler has none, via :meth:`~jaxrl_llm.rollout.SamplerWorker.weight_report`), returned as
+  ``gpu_check/actor_load_s`` / ``gpu_check/actor_load_mb``
   (means over the actors that loaded a new version since the last look). After the last step:
   each actor waits for the learner's final version, and its weights' checksums are compared
   with the learner's (``final``).

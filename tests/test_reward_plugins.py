@@ -56,7 +56,8 @@ def user_module(tmp_path, monkeypatch):
     ((("task", "x"),), r"reward.functions\[0\]=\('task', 'x'\): the weight must be a finite number"),
     ((("task", float("inf")),), r"the weight must be a finite number"),
     ((("task",),), r"reward.functions\[0\]=\('task',\): expected a \(name, weight\) pair"),
-    ((("my_rewards.fmt", 1.0),), r"the name must be 'task' or an import path 'package.module:callable'"),
+    ((("my_rewards.fmt", 1.0),), r"the name must be 'task', an import path 'package.module:callable' or a reward "
+                                 r"server's http\(s\):// URL"),
     ((("task", 1.0), ("task", 0.5)), r"reward.functions\[1\]=\('task', 0.5\): 'task' is listed twice"),
     ((("no_such_module_xyz:fn", 1.0),), r"reward.functions: 'no_such_module_xyz:fn': module 'no_such_module_xyz' "
                                          r"does not import"),
@@ -106,7 +107,8 @@ def test_a_failing_component_scores_zero_is_counted_and_then_stops_the_run(user_
 
 def test_a_user_reward_module_trains_end_to_end_in_worker_processes(tmp_path, user_module):
   run = jobs.RLJob(tiny_config(tmp_path / "run", rl__steps=2, checkpoint__every=100, export__hf=False,
-                               eval__every=100, reward__functions=((f"{user_module}:short_bonus", 0.25), ("task", 1.0))))
+                               eval__every=100,
+                               reward__functions=((f"{user_module}:short_bonus", 0.25), ("task", 1.0))))
   run.train()
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   rl = [r for r in records if "reward/short_bonus/mean" in r]

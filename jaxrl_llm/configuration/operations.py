@@ -15,7 +15,7 @@ import dataclasses
 
 from jaxrl_llm.diagnostics import offpolicy
 from jaxrl_llm.settings import (BOOL, NONEMPTY_STRING, NONNEG, NONNEG_INT, NUMBER, POSITIVE, POSITIVE_INT, STRING,
-                                UNIT, check, in_range, require, setting)
+                                UNIT, Check, check, in_range, require, setting)
 
 SAMPLER_KINDS = ("jax", "vllm")  # the sampler a rollout actor builds (jaxrl_llm.rollout.actor.SamplerSpec.kind)
 SAMPLER_PLATFORMS = ("cpu", "gpu")  # where a JAX sampler actor runs (jaxrl_llm.rollout.placement.PLATFORMS)
@@ -186,7 +186,8 @@ class RewardSettings:
                              "('task', 1.0))\": 'task' (the task's reward), any importable fn(example, "
                              "response_text) -> float, or a reward server's http(s):// URL (batched JSON, "
                              "jaxrl_llm.tasks.remote_reward); each runs under these limits and is logged as "
-                             "reward/<name>/mean; empty: the task's reward alone (jaxrl_llm.tasks.reward_plugins)")
+                             "reward/<name>/mean; empty: the task's reward alone (jaxrl_llm.tasks.reward_plugins)",
+                             Check(lambda v: isinstance(v, tuple), "a tuple of (name, weight) pairs"))
   remote_retries: int = setting(2, "a reward server's request that fails (cannot connect, times out after "
                                 "reward.timeout_s, HTTP error, malformed answer) is retried this many times, then its "
                                 "items score 0 and are counted", NONNEG_INT)

@@ -127,14 +127,16 @@ def placement_errors(config: ml_collections.ConfigDict) -> list[str]:
                                     weight_transport=c.rollout.weight_transport, actor_gpus=c.rollout.actor_gpus)
   except ConfigError as e:
     return errors + [str(e)]
-  if c.sampler.kind == "vllm" and 0 < c.rollout.actor_gpus < 1 < c.sampler.vllm.gpu_memory_utilization / c.rollout.actor_gpus:
+  share = c.rollout.actor_gpus
+  if c.sampler.kind == "vllm" and 0 < share < 1 and c.sampler.vllm.gpu_memory_utilization > share:
     errors.append(f"sampler.vllm.gpu_memory_utilization={c.sampler.vllm.gpu_memory_utilization:g} with "
                   f"rollout.actor_gpus={c.rollout.actor_gpus:g}: engines sharing a GPU must each take at most their "
                   "share of its memory (expected gpu_memory_utilization <= actor_gpus)")
   if pipeline and ids is not None and not c.rollout.address and need:
     try:
+      cluster = f"the local Ray cluster (rollout.local_gpus={c.rollout.local_gpus!r})"
       placement.check_capacity(placement.ActorResources(c.rollout.actor_cpus, need), c.rollout.num_samplers,
-                               [len(ids)], cluster=f"the local Ray cluster (rollout.local_gpus={c.rollout.local_gpus!r})",
+                               [len(ids)], cluster=cluster,
                                kind=c.sampler.kind, weight_transport=c.rollout.weight_transport)
     except ConfigError as e:
       errors.append(str(e))

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl_llm.learner import sft
 from jaxrl_llm.learner.rl_step import RLBatch
-from jaxrl_llm.tasks.jsonl import read_jsonl_objects
+from jaxrl_llm.tasks.rows import read_rows
 
 __all__ = ["DemonstrationStream", "mix_demonstrations"]
 
@@ -60,7 +60,7 @@ class DemonstrationStream:
       self.rows = None
     else:
       self.rows = []
-      for lineno, row in read_jsonl_objects(source):
+      for lineno, row in read_rows(source):
         for field in ("prompt", "response"):
           if not isinstance(row.get(field), str):
             raise ValueError(f"{source}:{lineno}: data.sft_mix rows need a string {field!r} field; got "

@@ -50,7 +50,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from jaxrl_llm.tasks import DEFAULT_SPLIT_SALT, CounterRng, Example, Task, split_fraction
-from jaxrl_llm.tasks.jsonl import read_jsonl_objects
+from jaxrl_llm.tasks.rows import read_rows
 
 log = logging.getLogger("jaxrl_llm")
 
@@ -145,7 +145,7 @@ def load_preference_jsonl(path: str, *, prompt_field: str = "prompt", chosen_fie
   """
   pairs: list[PreferencePair] = []
   rows = identical = 0
-  for lineno, row in read_jsonl_objects(path):
+  for lineno, row in read_rows(path):
     rows += 1
     where = f"{path}:{lineno}"
     for field in (prompt_field, chosen_field, rejected_field):

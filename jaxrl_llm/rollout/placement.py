@@ -254,7 +254,7 @@ class Placer:
     if not r.gpus:
       return {"num_cpus": r.cpus, "num_gpus": 0}
     from ray.util.placement_group import placement_group  # pylint: disable=import-outside-toplevel
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # pylint: disable=import-outside-toplevel
+    from ray.util import scheduling_strategies  # pylint: disable=import-outside-toplevel
     self.release(name)
     group = placement_group([r.bundle()], strategy="STRICT_PACK", name="")
     try:
@@ -265,7 +265,8 @@ class Placer:
                          f"(cluster resources now: {self._ray.available_resources()})") from e
     self._groups[name] = group
     return {"num_cpus": r.cpus, "num_gpus": r.gpus,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)}
+            "scheduling_strategy": scheduling_strategies.PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=0)}
 
   def release(self, name: str) -> None:
     """Frees the placement group of actor ``name`` (when it died or the pool shuts down)."""
@@ -282,5 +283,6 @@ class Placer:
 
 
 __all__ = ["ActorResources", "CUDA_VISIBLE", "PLATFORMS", "Placer", "check_capacity", "gpus_per_actor",
-           "learner_gpu_ids", "learner_node_gpus", "local_sampler_gpus", "machine_gpu_ids", "node_gpus", "parse_gpu_ids",
+           "learner_gpu_ids", "learner_node_gpus", "local_sampler_gpus", "machine_gpu_ids", "node_gpus",
+           "parse_gpu_ids",
            "visible_gpu_ids"]

@@ -218,7 +218,8 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
   newest = latest_version or (lambda: holder["pool"].published_version)
   pool = rollout.SamplerPool(
       spec, params, version, num_samplers=num_samplers, address=address or None, actor_cpus=actor_cpus,
-      local_gpus=local_gpus, validate=lambda chunk: rollout.validate_chunk(chunk, fingerprint=fingerprint, vocab_size=vocab,
+      local_gpus=local_gpus,
+      validate=lambda chunk: rollout.validate_chunk(chunk, fingerprint=fingerprint, vocab_size=vocab,
                                                     latest_version=newest()))
   holder["pool"] = pool
   pool.placement = pool.describe()

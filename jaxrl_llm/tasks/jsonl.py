@@ -1,7 +1,9 @@
-"""Prompts from a JSONL file (GSM8K-style ``{"question": ..., "answer": ...}`` rows).
+"""Prompts from a JSONL file (GSM8K-style ``{"question": ..., "answer": ...}`` rows), or the same
+rows in a parquet or JSON file or a Hugging Face ``datasets`` folder (:mod:`jaxrl_llm.tasks.rows`).
 
 Rows are read and validated once at construction; a bad row is an error that names the
-file, the 1-based line number and the problem (bytes that are not UTF-8, invalid JSON, not
+file, the 1-based line number (the row number of a parquet file or dataset) and the problem
+(bytes that are not UTF-8, invalid JSON, not
 an object, missing or non-text field, no extractable final answer). Blank lines are
 skipped; a file with no rows is an error. Whether each row fits the model's context is
 checked when a job starts (``data.long_prompts``, :mod:`jaxrl_llm.jobs.prompt_check`,
@@ -33,12 +35,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import json
 import math
 import re
-from typing import Any, ClassVar, Iterator, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 from jaxrl_llm.tasks import base, math_verify, pairs
+from jaxrl_llm.tasks.rows import read_rows
 
 VERIFIERS = ("math", "exact")
 MATH_PAIR_KINDS = ("wrong_answer", "truncated")
@@ -62,39 +64,13 @@ def _key(prompt: str) -> str:
 
 
 
-def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
-  """``(line number, row)`` of every non-blank line of a JSONL file, each a JSON object.
-
-  The file is UTF-8 (a byte-order mark on the first line is accepted); each line is
-  decoded on its own, so an undecodable byte is reported with its line.
-
-  Raises:
-    ValueError: ``path:line: ...`` for a line that is not UTF-8, not valid JSON or not an object.
-  """
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, start=1):
-      try:
-        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-      except UnicodeDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line: "
-                         f"{e.reason}); re-encode the file as UTF-8") from None
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-      if not isinstance(row, dict):
-        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-      yield lineno, row
-
-
 @dataclasses.dataclass(frozen=True)
 class JsonlTask(base.Task):
   """A prompt dataset in JSONL with a verifiable answer field.
 
   Attributes:
-    path: the JSONL file.
+    path: the JSONL file, or a parquet / JSON file or ``datasets`` folder with the same
+      fields (:func:`jaxrl_llm.tasks.rows.read_rows`).
     prompt_field: field holding the prompt (``"question"`` for GSM8K).
     answer_field: field holding the reference (``"answer"``: worked solution ending in
       ``#### N``); numbers are accepted and converted to text.
@@ -103,7 +79,7 @@ class JsonlTask(base.Task):
       ``math_verify``) or ``"exact"`` (response and answer equal after stripping
       surrounding whitespace).
     eval_fraction: share of distinct prompts held out (ignored with ``eval_path``).
-    eval_path: optional JSONL file with the same fields used as the held-out set (None or
+    eval_path: optional file (or folder) with the same fields used as the held-out set (None or
       empty: split ``path`` by ``eval_fraction``).
     split_salt: salt of the held-out hash.
     rel_tol: relative tolerance of the math verifier.
@@ -177,9 +153,9 @@ class JsonlTask(base.Task):
     object.__setattr__(self, "_alphabet", base.alphabet_of(texts))
 
   def _load(self, path: str) -> list[tuple[str, base.Example]]:
-    rows = [self._row_to_example(row, path, lineno) for lineno, row in read_jsonl_objects(path)]
+    rows = [self._row_to_example(row, path, lineno) for lineno, row in read_rows(path)]
     if not rows:
-      raise ValueError(f"{path}: the file has no rows (empty JSONL file)")
+      raise ValueError(f"{path}: the file has no rows (empty file or dataset)")
     return rows
 
   def _row_to_example(self, row: Mapping[str, Any], path: str,

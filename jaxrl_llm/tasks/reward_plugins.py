@@ -187,4 +187,5 @@ class WeightedRewards:
       runner.close()
 
 
-__all__ = ["FIELD", "REMOTE", "RewardComponent", "TASK", "WeightedRewards", "check_components", "parse_components", "resolve"]
+__all__ = ["FIELD", "REMOTE", "RewardComponent", "TASK", "WeightedRewards", "check_components", "parse_components",
+           "resolve"]
