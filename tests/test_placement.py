@@ -185,6 +185,7 @@ def test_actors_get_disjoint_gpus_never_the_learners_and_the_configured_engine(g
       assert kwargs["tensor_parallel_size"] == len(actor["gpu_ids"])
       assert ("distributed_executor_backend" in kwargs) == (len(actor["gpu_ids"]) > 1)
       assert kwargs["worker_extension_cls"] == "third_party.vllm_weight_sync.WeightSyncExtension"
+      assert actor["jax_platforms"] == "cpu"  # the GPUs are the engine's: JAX in a vLLM actor stays off them
     (jax_actor,) = cpu.describe()
     assert jax_actor["gpu_ids"] == [] and jax_actor["cuda_visible_devices"] == ""  # a CPU actor sees no GPU
     assert jax_actor["jax_platforms"] == "cpu"

@@ -337,22 +337,23 @@ def _checksums(sampler: Any) -> dict[str, Any]:
 def _pin_devices(spec: SamplerSpec) -> None:
   """Keeps the actor's process on its own devices, before anything initialises a JAX backend.
 
-  A JAX sampler runs on ``spec.platform``; an actor without GPUs sees none (a Ray worker
-  otherwise inherits its raylet's ``CUDA_VISIBLE_DEVICES``, every GPU of the node). Ray has
-  already set ``CUDA_VISIBLE_DEVICES`` of an actor with GPUs to exactly its own.
+  A JAX sampler runs on ``spec.platform``. In a vLLM actor JAX stays on the CPU: the GPUs
+  are the engine's, and a JAX GPU backend would pre-allocate most of their memory. An actor
+  without GPUs sees none (a Ray worker otherwise inherits its raylet's
+  ``CUDA_VISIBLE_DEVICES``, every GPU of the node); Ray has already set
+  ``CUDA_VISIBLE_DEVICES`` of an actor with GPUs to exactly its own.
   """
   if not _in_ray_actor():  # a worker built in a test's own process leaves that process alone
     return
   if spec.gpus == 0:
     os.environ[placement.CUDA_VISIBLE] = ""
-  if spec.kind == "jax":
-    platform = "cuda" if spec.platform == "gpu" else spec.platform
-    os.environ["JAX_PLATFORMS"] = platform
-    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
-    if xla_bridge.backends_are_initialized():
-      raise RuntimeError(f"sampler actor: JAX was initialised before the actor could pin it to {platform!r}")
-    import jax  # pylint: disable=import-outside-toplevel
-    jax.config.update("jax_platforms", platform)
+  platform = "cuda" if spec.kind == "jax" and spec.platform == "gpu" else "cpu"
+  os.environ["JAX_PLATFORMS"] = platform
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError(f"sampler actor: JAX was initialised before the actor could pin it to {platform!r}")
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_platforms", platform)
 
 
 def _in_ray_actor() -> bool:
