@@ -20,14 +20,9 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from jaxrl_llm.rollout.actor import tree_sums
 from launch.gpu_layouts import (CHECKSUM_RTOL, build_run_config, placement_problems, run_overrides, summarise_run,
                                 tokenizer_gaps)
-
-
-def _leaf_sums(params: Any) -> dict[str, float]:
-  import jax  # pylint: disable=import-outside-toplevel
-  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
-  return {jax.tree_util.keystr(k): float(np.asarray(v, np.float64).sum()) for k, v in leaves}
 
 
 def _checksum_error(got: Mapping[str, float], want: Mapping[str, float]) -> float:
@@ -75,7 +70,7 @@ class ActorProbe:
 
     def start_source():
       if job.source is None:
-        self.rl_start_sums = _leaf_sums(job.params)
+        self.rl_start_sums = tree_sums(job.params)
       return start()
 
     job.start_source = start_source
@@ -127,7 +122,7 @@ class ActorProbe:
       engine = vllm_engine_config(job.config)
       expected_vllm = wt.expected_checksums(jax.device_get(job.params), job.model_config,
                                             engine.tensor_parallel_size, dtype=engine.engine_dtype(job.model_config))
-    expected_jax = _leaf_sums(job.params) if "jax" in kinds else None
+    expected_jax = tree_sums(job.params) if "jax" in kinds else None
     for a in answers:
       sums = a.pop("checksums", None) or {}
       if sums.get("kind") == "vllm":
@@ -201,7 +196,7 @@ def run_pipeline(layout: Mapping[str, Any], *, checkpoint: str, workdir: str, st
     entry["learner_version"] = probe.learner_version
     entry["probe_errors"] = probe.errors
     entry["learner_params_changed"] = (probe.rl_start_sums is not None
-                                       and _checksum_error(_leaf_sums(job.params), probe.rl_start_sums) > 0)
+                                       and _checksum_error(tree_sums(job.params), probe.rl_start_sums) > 0)
     entry["checks"] = _run_checks(layout, entry, probe, steps, max_mean_abs)
     entry["ok"] = all(entry["checks"].values())
   except Exception:  # pylint: disable=broad-except

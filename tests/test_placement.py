@@ -118,7 +118,7 @@ def test_every_vllm_setting_reaches_the_engine_arguments():
   actor = engine.in_actor(nccl_port=4321)
   assert actor.ipc_devices == ("cuda:0", "cuda:1") and actor.make_transport(CONFIG).devices == ("cuda:0", "cuda:1")
   nccl = dataclasses.replace(engine, transport="nccl").in_actor(nccl_port=4321)
-  assert (nccl.gpus, nccl.nccl_device, nccl.nccl_host, nccl.nccl_port) == (3, "cuda:2", "127.0.0.1", 4321)
+  assert (nccl.nccl_device, nccl.nccl_host, nccl.nccl_port) == ("cuda:2", "127.0.0.1", 4321)
   default = vllm_engine_config(pipeline_config(**{"sampler.kind": "vllm", "seed": 5}))
   assert default.seed == 5 and default.dtype is None and default.max_model_len is None  # -1 / auto / 0: derived
 

@@ -33,6 +33,7 @@ from jaxrl_llm.configuration import ConfigError
 from jaxrl_llm.experiments.definition import (LEARNER, SAMPLER, Addresses, Experiment, JobSpec, WorkUnit,
                                               addresses_for, flag_value)
 from jaxrl_llm.experiments.planning import plan
+from jaxrl_llm.rollout.cluster import free_port  # noqa: F401 (also the launchers' port picker)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,13 +66,6 @@ class WorkUnitResult:
   @property
   def plot(self) -> str:
     return os.path.join(self.unit.directory, "curves.png")
-
-
-def free_port() -> int:
-  """A TCP port on 127.0.0.1 that nothing listens on right now."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _wait_for_port(address: str, timeout_s: float, alive) -> None:

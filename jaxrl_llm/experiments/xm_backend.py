@@ -50,7 +50,8 @@ from jaxrl_llm.configuration import ConfigError
 from jaxrl_llm.experiments.definition import (LEARNER, SAMPLER, Addresses, Experiment, JobSpec, WorkUnit,
                                               addresses_for, flag_value)
 from jaxrl_llm.experiments.planning import plan
-from jaxrl_llm.experiments.local import REPO_ROOT, free_port
+from jaxrl_llm.experiments.local import REPO_ROOT
+from jaxrl_llm.rollout.cluster import free_port
 
 
 def import_xm():

@@ -83,7 +83,7 @@ class RewardStage:
     n = self.group_size
     pairs = [(examples[i // n], self.decode(r)) for i, r in enumerate(response_tokens)]
     rewards = np.asarray(self.runner.score(pairs), np.float32)
-    metrics: dict[str, Any] = dict(self.runner.step_metrics()) if hasattr(self.runner, "step_metrics") else {}
+    metrics: dict[str, Any] = dict(self.runner.step_metrics())
     if self.sequence_rewards is not None:
       rewards, rm_metrics = self.sequence_rewards(examples, pairs, trajectory, rewards)
       metrics.update(rm_metrics)

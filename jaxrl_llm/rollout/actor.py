@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import threading
 import time
 from typing import Any, Optional
@@ -47,7 +46,7 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxrl_llm.rollout import placement
-from jaxrl_llm.rollout.cluster import watch_driver
+from jaxrl_llm.rollout.cluster import free_port, watch_driver
 from jaxrl_llm.rollout.schema import SCHEMA_VERSION, RolloutChunk, WorkItem
 from jaxrl_llm.rollout.segments import generate_in_segments
 
@@ -111,7 +110,7 @@ class SamplerSpec:
         raise ValueError("SamplerSpec.model_path: the vLLM sampler needs an HF folder of the initial weights")
       # params are the weights already saved in model_path (same version); vLLM loads them from there.
       # The actor holds exactly the engine's GPUs (and the NCCL sender's): see VllmEngineConfig.in_actor.
-      engine = self.engine_config().in_actor(nccl_port=_free_port())
+      engine = self.engine_config().in_actor(nccl_port=free_port())
       return VllmSampler(self.model_config, self.model_path, Fingerprint.from_dict(self.fingerprint),
                          self.sampler_config, version=version, engine=engine)
     raise ValueError(f"SamplerSpec.kind={self.kind!r}: expected 'jax' or 'vllm'")
@@ -318,20 +317,25 @@ class SamplerWorker:
       gpu_ids = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
     except ImportError:
       gpu_ids = []
-    transport = getattr(getattr(self.sampler, "_transport", None), "name", "object_store")
+    transport = self.spec.engine_config().transport if self.spec.kind == "vllm" else "object_store"
     return {"sampler_id": self.sampler_id, "kind": self.spec.kind, "pid": os.getpid(), "gpu_ids": gpu_ids,
             "cuda_visible_devices": os.environ.get(placement.CUDA_VISIBLE),
             "jax_platforms": os.environ.get("JAX_PLATFORMS"),
             "engine_kwargs": dict(getattr(self.sampler, "llm_kwargs", None) or {}), "weight_transport": transport}
 
 
+def tree_sums(params: Any) -> dict[str, float]:
+  """``{keystr(path): float64 sum}`` of every leaf of a parameter pytree (weights compared by checksum)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+  return {jax.tree_util.keystr(k): float(np.asarray(v, np.float64).sum()) for k, v in leaves}
+
+
 def _checksums(sampler: Any) -> dict[str, Any]:
   """Per-parameter float64 sums of what ``sampler`` holds (see :meth:`SamplerWorker.weight_report`)."""
   if hasattr(sampler, "collective_rpc"):
     return {"kind": "vllm", "ranks": sampler.collective_rpc("report_weight_checksum")}
-  import jax  # pylint: disable=import-outside-toplevel
-  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(sampler.params))[0]
-  return {"kind": "jax", "sums": {jax.tree_util.keystr(k): float(np.asarray(v, np.float64).sum()) for k, v in leaves}}
+  return {"kind": "jax", "sums": tree_sums(sampler.params)}
 
 
 def _pin_devices(spec: SamplerSpec) -> None:
@@ -362,13 +366,6 @@ def _in_ray_actor() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
   except Exception:  # no Ray, or no runtime context
     return False
-
-
-def _free_port() -> int:
-  """A TCP port on 127.0.0.1 that nothing listens on now (the actor's NCCL rendezvous)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return int(s.getsockname()[1])
 
 
 def remote_actor_class(num_cpus: float = 1.0):

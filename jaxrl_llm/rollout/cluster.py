@@ -30,7 +30,9 @@ ends a job's actors when its driver disconnects.
 from __future__ import annotations
 
 import logging
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -81,7 +83,7 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
     env[DRIVER_ENV] = me
   before = set(_children())
   gpu_ids = [str(g) for g in gpu_ids or ()]
-  with _loopback_only(), _visible_gpus(gpu_ids):
+  with _loopback_only(), _environ("CUDA_VISIBLE_DEVICES", ",".join(gpu_ids)):
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=len(gpu_ids), include_dashboard=False,
              dashboard_host=LOOPBACK, _node_ip_address=LOOPBACK, log_to_driver=True,
              runtime_env={"env_vars": env}, configure_logging=False)
@@ -93,44 +95,38 @@ def ensure_ray(address: Optional[str] = None, num_cpus: Optional[int] = None,
   log.info("started a local Ray cluster on %s", node_ip)
 
 
-class _loopback_only:
+@contextlib.contextmanager
+def _loopback_only():
   """While a local cluster starts: Ray's loopback switch off (constant and variable, for the children)."""
+  from ray._private import ray_constants  # pylint: disable=import-outside-toplevel
+  flag = ray_constants.ENABLE_RAY_CLUSTER
+  ray_constants.ENABLE_RAY_CLUSTER = False  # read at call time by services.get_node_ip_address
+  try:
+    with _environ(_LOOPBACK_SWITCH, "0"):
+      yield
+  finally:
+    ray_constants.ENABLE_RAY_CLUSTER = flag
 
-  def __enter__(self):
-    from ray._private import ray_constants  # pylint: disable=import-outside-toplevel
-    self._constants = ray_constants
-    self._saved = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_LOOPBACK_SWITCH)
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read at call time by services.get_node_ip_address
-    os.environ[_LOOPBACK_SWITCH] = "0"
-    return self
 
-  def __exit__(self, *exc):
-    flag, variable = self._saved
-    self._constants.ENABLE_RAY_CLUSTER = flag
-    if variable is None:
-      os.environ.pop(_LOOPBACK_SWITCH, None)
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+  """``os.environ[name] = value`` for the block (then as it was, unset included)."""
+  saved = os.environ.get(name)
+  os.environ[name] = value
+  try:
+    yield
+  finally:
+    if saved is None:
+      os.environ.pop(name, None)
     else:
-      os.environ[_LOOPBACK_SWITCH] = variable
-    return False
+      os.environ[name] = saved
 
 
-class _visible_gpus:
-  """While a local cluster starts: ``CUDA_VISIBLE_DEVICES`` = the GPUs it may hand out (then restored)."""
-
-  def __init__(self, gpu_ids: Sequence[str]):
-    self._ids = ",".join(gpu_ids)
-
-  def __enter__(self):
-    self._saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = self._ids
-    return self
-
-  def __exit__(self, *exc):
-    if self._saved is None:
-      os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    else:
-      os.environ["CUDA_VISIBLE_DEVICES"] = self._saved
-    return False
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on right now (a rendezvous to hand out)."""
+  with socket.socket() as s:
+    s.bind((LOOPBACK, 0))
+    return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------- lifetime

@@ -118,10 +118,11 @@ class SamplerPool:
       ensure_ray(address)
       cluster = f"the Ray cluster at rollout.address={address!r}"
       learner = placement.learner_gpu_ids()
-      if learner and resources.gpus and placement.learner_node_gpus(ray):
+      here = placement.learner_node_gpus(ray) if learner and resources.gpus else 0
+      if here:
         log.warning("the learner runs on GPUs %s and this host's Ray node declares %g GPUs: Ray may place a sampler "
                     "actor on a learner GPU; start this host's node with `ray start --num-gpus=0` (docs/scaling.md)",
-                    learner, placement.learner_node_gpus(ray))
+                    learner, here)
     else:
       gpu_ids = placement.local_sampler_gpus(local_gpus, placement.learner_gpu_ids(), placement.machine_gpu_ids())
       ensure_ray(None, gpu_ids=gpu_ids)

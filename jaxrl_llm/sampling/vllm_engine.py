@@ -212,13 +212,9 @@ class VllmEngineConfig:
   def engine_dtype(self, model_config: ModelConfig) -> str:
     return self.dtype or model_config.param_dtype
 
-  @property
-  def gpus(self) -> int:
-    """GPUs a process hosting this engine and its sender needs (P, one more for the NCCL sender)."""
-    return int(self.tensor_parallel_size) + (1 if self.transport == "nccl" else 0)
-
   def in_actor(self, nccl_port: int) -> "VllmEngineConfig":
-    """This config for a process that holds exactly :attr:`gpus` GPUs (a sampler actor).
+    """This config for a process that holds exactly the engine's GPUs, plus the NCCL sender's (a
+    sampler actor; :func:`jaxrl_llm.rollout.placement.gpus_per_actor`).
 
     The engine's workers take ``cuda:0 .. cuda:P-1`` of the actor's visible GPUs; the IPC
     sender shares buffers on each of them; the NCCL sender broadcasts from the extra

@@ -208,6 +208,10 @@ class RewardRunner:
           f"if it needs more; reward.max_failure_share=1 never stops. First failure of this streak:\n"
           f"{self.first_error}")
 
+  def step_metrics(self) -> dict[str, float]:
+    """Per-batch figures of the last ``score`` (none here; a weighted combination reports its parts)."""
+    return {}
+
   @property
   def metrics(self) -> dict[str, float]:
     """Counters since the start of the run, under ``reward/<name>/``."""
