@@ -9,12 +9,14 @@ metrics.jsonl) and :func:`placement_problems` (actors placed otherwise than plan
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+
+from jaxrl_llm.diagnostics import writers
+from jaxrl_llm.rollout import placement
 
 TRANSPORTS = ("object_store", "ipc", "nccl")
 SHARED_GPU_MEMORY = 0.8  # the share of one GPU's memory that engines sharing it take together
@@ -97,7 +99,7 @@ def _jax_layout(transport: str, num_samplers: int) -> dict[str, Any]:
 
 
 def _vllm_layout(tp: int, transport: str, num_gpus: int, num_samplers: int, memory: float) -> dict[str, Any]:
-  per_actor = tp + (1 if transport == "nccl" else 0)
+  per_actor = int(placement.gpus_per_actor("vllm", tensor_parallel_size=tp, weight_transport=transport))
   name = f"vllm_tp{tp}_x{{actors}}_{transport}"
   if num_gpus >= per_actor * num_samplers:
     actors, share, shared = num_samplers, float(per_actor), False
@@ -169,10 +171,8 @@ def build_run_config(overrides: Mapping[str, Any]):
     jaxrl_llm.errors.ConfigError: listing every field that fails.
   """
   from jaxrl_llm import configuration  # pylint: disable=import-outside-toplevel
-  config = configuration.base_config()
-  for path, value in overrides.items():
-    configuration.override(config, path, value)
-  return configuration.validate(config)
+  from jaxrl_llm.experiments import apply_overrides  # pylint: disable=import-outside-toplevel
+  return configuration.validate(apply_overrides(configuration.base_config(), overrides))
 
 
 def tokenizer_gaps(folder: str, task_name: str = "addition", task_kwargs: Optional[Mapping[str, Any]] = None
@@ -240,8 +240,7 @@ def summarise_run(run_dir: str) -> dict[str, Any]:
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.exists(path):
     raise FileNotFoundError(f"summarise_run: {path} does not exist (the run wrote no metrics)")
-  with open(path, encoding="utf-8") as f:
-    records = [json.loads(line) for line in f if line.strip()]
+  records = writers.read_jsonl(path)
   rl = sorted((r for r in records if "time/step_s" in r), key=lambda r: r.get("step", 0))
   steps = [{"step": int(r.get("step", i + 1)), "reward_mean": _finite(r.get("reward/mean")),
             "step_s": _finite(r.get("time/step_s")), "publish_s": _finite(r.get("time/publish_s")),
