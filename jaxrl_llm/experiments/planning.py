@@ -100,7 +100,7 @@ def check_layout(experiment: Experiment, config: ml_collections.ConfigDict) -> N
       cpus=float(r.actor_cpus),
       gpus=placement.gpus_per_actor(kind=s.kind, platform=s.platform,
                                     tensor_parallel_size=s.vllm.tensor_parallel_size,
-                                    weight_transport=r.weight_transport, actor_gpus=r.get("actor_gpus", -1.0)))
+                                    weight_transport=r.weight_transport, actor_gpus=r.actor_gpus))
   cluster = f"the experiment's Ray cluster (samplers={exp.samplers} nodes, sampler_gpus={exp.sampler_gpus} each)"
   if need.gpus > 0:
     placement.check_capacity(need, int(r.num_samplers), [float(exp.sampler_gpus)] * exp.samplers, cluster=cluster,
