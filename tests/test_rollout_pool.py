@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import bridge, jobs, models
+from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import SamplerPool, SamplerSpec, SamplerWorker, WorkItem, sources, validate_chunk
 from jaxrl_llm.sampling import SamplerConfig
 
@@ -216,6 +217,23 @@ def test_pipeline_with_k0_reproduces_the_synchronous_run(tmp_path):
   pipe.train()
   rows = [json.loads(l) for l in open(tmp_path / "pipe" / "metrics.jsonl") if "pool/delivered" in l]
   assert rows[-1]["pool/delivered"] == 2 * 4  # every step came back as four chunks
+  for a, b in zip(jax.tree.leaves(sync.params), jax.tree.leaves(pipe.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lora_actors_receive_only_the_adapters_and_sample_as_the_synchronous_run(tmp_path):
+  """LoRA: after the first weights an actor gets only the adapters (megabytes, not the model), and the
+  pipeline at k = 0 still gives the synchronous run's updates bit for bit."""
+  common = dict(rl__steps=2, rl__prompts_per_step=8, checkpoint__every=100, export__hf=False, eval__every=100,
+                model__batch_invariant=True, model__lora__rank=2, model__lora__targets=("q", "v", "down"))
+  sync = jobs.RLJob(tiny_config(tmp_path / "sync", **common))
+  sync.train()
+  pipe = jobs.RLJob(tiny_config(tmp_path / "pipe", rollout__mode="pipeline", rollout__num_samplers=1,
+                                rollout__max_lag=0, rollout__actor_cpus=0.5, **common))
+  pipe.train()
+  rows = [json.loads(l) for l in open(tmp_path / "pipe" / "metrics.jsonl") if "pool/publish_mb" in l]
+  assert rows and rows[-1]["pool/publish_mb"] == lora.adapter_bytes(pipe.params) / 2**20
+  assert lora.adapter_bytes(pipe.params) * 20 < sum(x.nbytes for x in jax.tree.leaves(pipe.params))
   for a, b in zip(jax.tree.leaves(sync.params), jax.tree.leaves(pipe.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -32,9 +32,10 @@ import numpy as np
 from jaxrl_llm.bridge import hf_config
 from jaxrl_llm.bridge.hf_import import HEADS_FILE
 from jaxrl_llm.bridge.host import to_host
-from jaxrl_llm.bridge.layout import (TensorSpec, backbone_specs, check_params_match, get_path,
+from jaxrl_llm.bridge.layout import (TensorSpec, backbone_specs, check_params_match,
                                      head_specs)
 from jaxrl_llm.bridge.safetensors_io import INDEX_FILE, SINGLE_FILE, split_by_size, write_safetensors
+from jaxrl_llm.models import lora
 from jaxrl_llm.models.config import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -56,12 +57,12 @@ def parse_size(size: Union[int, str]) -> int:
 
 
 def _write_group(folder: str, filename: str, specs: Sequence[TensorSpec], params: Mapping[str, Any],
-                 dtype: np.dtype, flax_layout: bool) -> int:
+                 dtype: np.dtype, flax_layout: bool, config: ModelConfig) -> int:
   by_name = {s.hf_name: s for s in specs}
 
   def produce(name: str) -> np.ndarray:
     spec = by_name[name]
-    array = to_host(get_path(params, spec.path))
+    array = to_host(lora.merged_leaf(params, spec.path, config))  # LoRA adapters merged, one kernel at a time
     if spec.transpose and not flax_layout:
       array = array.T
     return array.astype(dtype, copy=False)
@@ -108,7 +109,7 @@ def export_hf_checkpoint(params: Mapping[str, Any], config: ModelConfig, folder:
   folder = os.fspath(folder)
   specs = backbone_specs(config)
   heads = head_specs(config)
-  check_params_match(params, specs + heads, "params")
+  check_params_match(lora.without_adapters(params), specs + heads, "params")
   out_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
   os.makedirs(folder, exist_ok=True)
   for name in os.listdir(folder):
@@ -121,20 +122,20 @@ def export_hf_checkpoint(params: Mapping[str, Any], config: ModelConfig, folder:
                          parse_size(max_shard_size))
   by_name = {s.hf_name: s for s in specs}
   if len(groups) == 1:
-    _write_group(folder, SINGLE_FILE, specs, params, out_dtype, flax_layout=False)
+    _write_group(folder, SINGLE_FILE, specs, params, out_dtype, flax_layout=False, config=config)
   else:
     weight_map = {}
     total = 0
     for k, group in enumerate(groups):
       filename = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
       total += _write_group(folder, filename, [by_name[n] for n in group], params, out_dtype,
-                            flax_layout=False)
+                            flax_layout=False, config=config)
       weight_map.update({n: filename for n in group})
     with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
   if heads and save_heads:
     os.makedirs(os.path.dirname(os.path.join(folder, HEADS_FILE)), exist_ok=True)
-    _write_group(folder, HEADS_FILE, heads, params, out_dtype, flax_layout=True)
+    _write_group(folder, HEADS_FILE, heads, params, out_dtype, flax_layout=True, config=config)
 
   hf = hf_config.config_to_hf(config, eos_token_ids=eos_token_ids)
   hf["dtype"] = hf["torch_dtype"] = str(out_dtype)

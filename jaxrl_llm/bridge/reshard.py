@@ -55,6 +55,7 @@ import numpy as np
 
 from jaxrl_llm.bridge.host import to_host
 from jaxrl_llm.bridge.layout import TensorSpec, backbone_specs, get_path
+from jaxrl_llm.models import lora
 from jaxrl_llm.models.config import ModelConfig
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -198,8 +199,10 @@ def make_reshard_plan(config: ModelConfig, tp_size: int,
   return ReshardPlan(config, p, vocab_padding_size, tuple(entries))
 
 
-def _hf_tensor(params: Mapping[str, Any], spec: TensorSpec, dtype: Optional[np.dtype]) -> np.ndarray:
-  array = to_host(get_path(params, spec.path))
+def _hf_tensor(params: Mapping[str, Any], spec: TensorSpec, dtype: Optional[np.dtype],
+               config: ModelConfig) -> np.ndarray:
+  get_path(params, spec.path)  # a missing tensor: the error names it
+  array = to_host(lora.merged_leaf(params, spec.path, config))  # LoRA adapters merged, one kernel at a time
   if spec.transpose:
     array = array.T
   return array.astype(dtype, copy=False) if dtype is not None else array
@@ -219,7 +222,7 @@ def iter_hf_tensors(params: Mapping[str, Any], config: ModelConfig,
   """
   np_dtype = np.dtype(jnp.dtype(dtype)) if dtype else None
   for spec in backbone_specs(config):
-    yield spec.hf_name, _hf_tensor(params, spec, np_dtype)
+    yield spec.hf_name, _hf_tensor(params, spec, np_dtype, config)
 
 
 def split_entry(plan: ReshardPlan, entry: PlanEntry, parts: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -271,7 +274,7 @@ def iter_vllm_shards(params: Mapping[str, Any], plan: ReshardPlan,
   """
   np_dtype = np.dtype(jnp.dtype(dtype)) if dtype else None
   for entry in plan.entries:
-    parts = [_hf_tensor(params, spec, np_dtype) for spec in entry.parts]
+    parts = [_hf_tensor(params, spec, np_dtype, plan.config) for spec in entry.parts]
     yield entry.vllm_name, split_entry(plan, entry, parts)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl_llm import objectives
 from jaxrl_llm.diagnostics import offpolicy
 from jaxrl_llm.settings import (BOOL, NONEMPTY_STRING, NONNEG, NONNEG_INT, NUMBER, POSITIVE, POSITIVE_INT, STRING,
                                 UNIT, Check, check, in_range, require, setting)
@@ -233,6 +234,32 @@ class RewardModelSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreferenceOptimizationSettings:
+  """``config.dpo``: offline preference optimisation of the policy (``job='dpo'``: DPO, IPO or SimPO).
+
+  The pairs are those of the reward model (``reward_model.data``, ``eval_data``, ``eval_fraction``,
+  the ``*_field`` names, ``pair_kinds`` and ``eval_pairs``): one data declaration serves both jobs.
+  """
+
+  loss: str = setting("dpo", "'dpo': -log sigmoid(beta h) (arXiv:2305.18290); 'ipo': (h - 1/(2 beta))^2 "
+                      "(arXiv:2310.12036); 'simpo': reference-free, -log sigmoid(beta (length-normalised log-prob "
+                      "margin) - simpo_gamma) (arXiv:2405.14734); h = the policy's log-ratio margin over the "
+                      "reference", choices=objectives.PREFERENCE_LOSSES)
+  beta: float = setting(0.1, "DPO: inverse temperature of the implicit reward; IPO: tau; SimPO: reward scale "
+                        "(the paper uses 2 to 10)", POSITIVE)
+  label_smoothing: float = setting(0.0, "loss='dpo': share eps of flipped labels (conservative DPO); 0: off",
+                                   in_range(0, 0.5, high_open=True))
+  simpo_gamma: float = setting(0.5, "loss='simpo': target margin gamma of the length-normalised rewards", NONNEG)
+  steps: int = setting(200, "preference-optimisation steps (after the sft.steps warm start)", NONNEG_INT)
+  batch_size: int = setting(32, "pairs per step", POSITIVE_INT)
+  lr: float = setting(1e-5, "learning rate (optimizer.* otherwise; its state is reset after the warm start)",
+                      POSITIVE)
+
+  def __post_init__(self):
+    check(self, "dpo")
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalSettings:
   """``config.eval``: the periodic held-out evaluation."""
 
@@ -286,5 +313,6 @@ class ExportSettings:
 __all__ = [
     "SAMPLER_KINDS", "ROLLOUT_MODES", "CONSISTENCY_ACTIONS", "RM_NORMALIZATIONS", "RM_BASELINES", "REWARD_MODES",
     "SamplerSettings", "RolloutSettings", "DataSettings", "DiagnosticsSettings", "RewardSettings",
-    "RewardModelSettings", "EvalSettings", "CheckpointSettings", "LogSettings", "ExportSettings",
+    "RewardModelSettings", "PreferenceOptimizationSettings", "EvalSettings", "CheckpointSettings", "LogSettings",
+    "ExportSettings",
 ]

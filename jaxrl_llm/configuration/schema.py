@@ -23,11 +23,12 @@ from typing import Any, Iterator
 import ml_collections
 
 from jaxrl_llm.configuration.operations import (CheckpointSettings, DataSettings, DiagnosticsSettings,
-                                                EvalSettings, ExportSettings, LogSettings, RewardModelSettings,
+                                                EvalSettings, ExportSettings, LogSettings,
+                                                PreferenceOptimizationSettings, RewardModelSettings,
                                                 RewardSettings, RolloutSettings, SamplerSettings, VllmSettings)
 from jaxrl_llm.configuration.training import (AdvantageSettings, CriticSettings, InitSettings, LearnerSettings,
-                                              ModelSettings, ObjectiveSettings, OptimizerSettings, RLSettings,
-                                              RunSettings, SftSettings, TaskSettings)
+                                              LoraSettings, ModelSettings, ObjectiveSettings, OptimizerSettings,
+                                              RLSettings, RunSettings, SftSettings, TaskSettings)
 from jaxrl_llm.diagnostics.consistency import ConsistencyThresholds
 from jaxrl_llm.diagnostics.control import ControlSettings
 from jaxrl_llm.diagnostics.guard import GuardSettings
@@ -49,6 +50,7 @@ class Settings:
   run: RunSettings = _section("")
   task: TaskSettings = _section("task")
   model: ModelSettings = _section("model")
+  lora: LoraSettings = _section("model.lora")
   init: InitSettings = _section("init")
   sft: SftSettings = _section("sft")
   rl: RLSettings = _section("rl")
@@ -68,6 +70,7 @@ class Settings:
   guard: GuardSettings = _section("guard")
   reward: RewardSettings = _section("reward")
   reward_model: RewardModelSettings = _section("reward_model")
+  dpo: PreferenceOptimizationSettings = _section("dpo")
   eval: EvalSettings = _section("eval")
   checkpoint: CheckpointSettings = _section("checkpoint")
   log: LogSettings = _section("log")

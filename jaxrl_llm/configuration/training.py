@@ -17,7 +17,7 @@ from jaxrl_llm.learner.optim import SCHEDULES
 from jaxrl_llm.settings import (BOOL, MAPPING, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, POWER_OF_TWO, STRING,
                                 UNIT, Check, check, in_range, require, setting)
 
-JOBS = ("rl", "reward_model")  # the job kinds a run config selects (config.job)
+JOBS = ("rl", "reward_model", "dpo")  # the job kinds a run config selects (config.job)
 DTYPES = ("float32", "bfloat16")  # parameter / activation dtypes of a model built from config.model
 
 PROXIMAL = ("learner", "behaviour")  # where the objective's pi_k comes from (objective.proximal)
@@ -47,7 +47,8 @@ class RunSettings:
   seed: int = setting(0, "seed of parameter initialisation, sampling and prompt order", NONNEG_INT)
   run_dir: str = setting("", "run folder (metrics, checkpoints, export); empty: runs/<name>", STRING)
   job: str = setting("rl", "'rl': optional SFT warm start, then RL; 'reward_model': train a reward model "
-                     "(jaxrl_llm.reward_model)", choices=JOBS)
+                     "(jaxrl_llm.reward_model); 'dpo': preference optimisation of the policy (config.dpo)",
+                     choices=JOBS)
 
   def __post_init__(self):
     check(self, "")
@@ -93,6 +94,29 @@ class ModelSettings:
             f"a divisor of model.hidden_size={self.hidden_size}")
     require(self, "model", self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
             f"a divisor of model.num_heads={self.num_heads}")
+
+
+LORA_TARGET_LIST = Check(lambda v: isinstance(v, (tuple, list)) and bool(v) and all(t in models.LORA_TARGETS for t in v)
+                         and len(set(v)) == len(v), f"a non-empty tuple of distinct projections among "
+                         f"{models.LORA_TARGETS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+  """``config.model.lora``: LoRA adapters (Hu et al. 2021, arXiv:2106.09685); see jaxrl_llm/models/lora.py.
+
+  With ``rank`` > 0 every phase of the job (SFT warm start, RL, reward-model training)
+  trains only the adapters and the scalar heads; the base weights stay frozen and the
+  optimizer state holds the adapters alone. Exports: ``hf_export/`` (merged weights)
+  and ``hf_export/adapter/`` (a PEFT folder).
+  """
+
+  rank: int = setting(0, "adapter rank r; 0: no adapters (every weight trains)", NONNEG_INT)
+  alpha: float = setting(16.0, "adapters add (alpha / rank) * x A B (PEFT's lora_alpha)", POSITIVE)
+  targets: tuple = setting(models.LORA_TARGETS, "projections carrying adapters", LORA_TARGET_LIST)
+
+  def __post_init__(self):
+    check(self, "model.lora")
 
 
 @dataclasses.dataclass(frozen=True)

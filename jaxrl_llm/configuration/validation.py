@@ -198,6 +198,12 @@ def cross_field_errors(config: ml_collections.ConfigDict) -> list[str]:
   if c.job == "reward_model" and c.reward_model.batch_size % c.learner.micro_batches:
     errors.append(f"learner.micro_batches={c.learner.micro_batches}: expected a divisor of "
                   f"reward_model.batch_size={c.reward_model.batch_size}")
+  if c.job == "dpo" and c.dpo.batch_size % c.learner.micro_batches:
+    errors.append(f"learner.micro_batches={c.learner.micro_batches}: expected a divisor of "
+                  f"dpo.batch_size={c.dpo.batch_size}")
+  if c.dpo.label_smoothing and c.dpo.loss != "dpo":
+    errors.append(f"dpo.label_smoothing={c.dpo.label_smoothing} with dpo.loss={c.dpo.loss!r}: expected 0 "
+                  "(label smoothing is a term of the DPO loss, conservative DPO)")
   if c.job == "rl" and c.reward_model.path and not (c.reward_model.rm_weight or c.reward_model.rule_weight):
     errors.append("reward_model.rm_weight=0 and reward_model.rule_weight=0: expected at least one > 0 "
                   "(the reward would be 0)")

@@ -13,6 +13,7 @@ Modules:
                    with its cause, then rate-limited, counted over the run).
   control          the adaptive controller of off-policy knobs.
   guard            the monotonic-improvement guard (validate, roll back).
+  estimates        unbiased pass@k and 95 % intervals of evaluation figures (import the module).
 
 See docs/off_policy.md for formulas, healthy ranges and troubleshooting.
 """

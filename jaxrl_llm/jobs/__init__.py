@@ -10,7 +10,9 @@
   update        the update stage: jitted step(s) bracketed by the consistency check
   hooks         periodic hooks: controller, RFT, guard, policy version, evaluation
   evaluation    held-out greedy accuracy and pass@k
+  eval_command  the ``jaxrl-eval`` command's pieces (sources, examples, figures with intervals)
   reward_model  RewardModelJob: Bradley-Terry training of a reward model
+  preference_optimization  PreferenceOptimizationJob: DPO, IPO or SimPO of the policy on pairs
   consistency   the sampler-vs-learner check on a checkpoint (``jaxrl-check-consistency``)
   prompt_check  every prompt checked against the context at start-up (``data.long_prompts``)
 
@@ -25,15 +27,16 @@ from typing import Any
 import ml_collections
 
 from jaxrl_llm.jobs.base import Hook, Job, NonFiniteError, Progress
+from jaxrl_llm.jobs.preference_optimization import PreferenceOptimizationJob
 from jaxrl_llm.jobs.reward_model import RewardModelJob
 from jaxrl_llm.jobs.rl import RLJob
 from jaxrl_llm.jobs.update import RunState
 
 # config.job -> the Job subclass that runs it.
-JOBS = {"rl": RLJob, "reward_model": RewardModelJob}
+JOBS = {"rl": RLJob, "reward_model": RewardModelJob, "dpo": PreferenceOptimizationJob}
 
-__all__ = ["Hook", "JOBS", "Job", "NonFiniteError", "Progress", "RLJob", "RewardModelJob", "RunState", "make_job",
-           "run"]
+__all__ = ["Hook", "JOBS", "Job", "NonFiniteError", "PreferenceOptimizationJob", "Progress", "RLJob", "RewardModelJob",
+           "RunState", "make_job", "run"]
 
 
 def make_job(config: ml_collections.ConfigDict) -> Job:

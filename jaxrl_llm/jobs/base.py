@@ -52,10 +52,12 @@ import jax
 import ml_collections
 
 from jaxrl_llm import bridge, configuration
+from jaxrl_llm.bridge import peft_export
 from jaxrl_llm.diagnostics import wandb_sink, writers
 from jaxrl_llm.jobs import resume
 from jaxrl_llm.jobs.resume import NonFiniteError
 from jaxrl_llm.learner import builders, checkpoint, mesh as mesh_lib, multihost, sft
+from jaxrl_llm.models import lora
 from jaxrl_llm.reward_model.encoding import encode_prompt
 from jaxrl_llm.tasks import get_task
 
@@ -323,6 +325,8 @@ class Job(abc.ABC):
       if multihost.is_main_process():
         export_dir = bridge.export_hf_checkpoint(params, self.model_config, os.path.join(self.run_dir, "hf_export"),
                                                  tokenizer=self.tokenizer)
+        if self.model_config.lora_rank:
+          self.export_adapter(params)
     summary = {"name": c.name, "job": c.job, **self.summary(final), "steps": self.progress.step,
                "sft_steps": self.progress.sft_step, "skipped_updates": self.progress.skipped_updates,
                "wall_clock_s": seconds, "run_dir": self.run_dir,
@@ -332,6 +336,19 @@ class Job(abc.ABC):
     print(f"\n{c.name}: {self.headline(summary)} ({seconds:.0f} s).\nOutputs in {self.run_dir}: metrics.jsonl, "
           "tensorboard/, curves.png, summary.json" + (", hf_export/" if export_dir else ""))
     return summary
+
+  def export_adapter(self, params: Any) -> str:
+    """LoRA runs: the adapters as a PEFT folder (``peft_adapter/``) next to the merged ``hf_export/``.
+
+    Its base is ``init.hf_checkpoint``; a run without one (a random base) also writes that
+    base, ``peft_base/``, so ``peft`` can rebuild the trained model from the two folders.
+    """
+    base = self.config.init.hf_checkpoint
+    if not base:
+      base = bridge.export_hf_checkpoint(lora.without_adapters(params), self.model_config.replace(
+          lora_rank=0, lora_targets=()), os.path.join(self.run_dir, "peft_base"), tokenizer=self.tokenizer)
+    return peft_export.export_peft_adapter(params, self.model_config, os.path.join(self.run_dir, "peft_adapter"),
+                                           base_model=os.path.abspath(base))
 
   def headline(self, summary: dict) -> str:
     """The one-line result printed at the end."""

@@ -18,8 +18,6 @@ when the warm start ends, so the reward phase starts its schedule at step 0.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
 from typing import Any
 
@@ -33,32 +31,11 @@ from jaxrl_llm.jobs.prompt_check import check_prompts
 from jaxrl_llm.learner import builders, optim
 from jaxrl_llm.learner.state import create_train_state
 from jaxrl_llm.reward_model import loss as rm_loss
-from jaxrl_llm.reward_model.encoding import PairEncoder, PreferenceBatch, collate_pairs
+from jaxrl_llm.reward_model.encoding import PairEncoder, PairStream, PreferenceBatch, held_out_batches
 from jaxrl_llm.reward_model.preferences import PreferencePair, build_preference_data
 from jaxrl_llm.reward_model.step import make_rm_step, pair_scores
 
 __all__ = ["PairStream", "RewardModelJob"]
-
-log = logging.getLogger("jaxrl_llm")
-
-# Consecutive training pairs that do not fit the context before the run gives up.
-MAX_CONSECUTIVE_TOO_LONG = 1000
-
-
-@dataclasses.dataclass
-class PairStream:
-  """Position in the training pairs (checkpointed: a resumed run reads the pairs it would have)."""
-
-  position: int = 0
-  seen: int = 0
-  skipped_too_long: int = 0
-
-  def get_state(self) -> dict:
-    return dataclasses.asdict(self)
-
-  def set_state(self, state: dict) -> None:
-    for k, v in state.items():
-      setattr(self, k, v)
 
 
 class RewardModelJob(Job):
@@ -75,8 +52,9 @@ class RewardModelJob(Job):
     self.data = build_preference_data(rc, self.task, c.seed, c.task.eval_size)
     self.encoder = PairEncoder(self.tokenizer, c.task.use_chat_template, self.model_config.max_position_embeddings)
     o = c.optimizer
-    self.optimizer = optim.make_optimizer(rc.lr, o.warmup_steps, max(1, rc.steps), o.schedule,
-                                          weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, max_grad_norm=o.max_grad_norm)
+    self.optimizer = builders.for_trainable(c, optim.make_optimizer(
+        rc.lr, o.warmup_steps, max(1, rc.steps), o.schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
+        max_grad_norm=o.max_grad_norm))
     params = builders.build_params(c, self.model_config, self.mesh, c.seed, c.init.hf_checkpoint or None)
     self.state = place_on_mesh(jax.jit(lambda p: create_train_state(p, self.optimizer, c.seed))(params), self.mesh)
     self.sft_step = self.make_sft_step(builders.build_sft_optimizer(c))
@@ -110,46 +88,15 @@ class RewardModelJob(Job):
 
   def _encode_eval(self) -> list[tuple[PreferenceBatch, list[str]]]:
     """Held-out pairs as fixed-size batches (with each pair's kind); too-long pairs are counted and left out."""
-    size = self.config.reward_model.batch_size
-    encoded, margins, kinds = [], [], []
-    self.eval_too_long = 0
-    for pair in self.data.eval_pairs:
-      enc = self.encoder.pair(pair)
-      if enc is None:
-        self.eval_too_long += 1
-        continue
-      encoded.append(enc)
-      margins.append(self._margin(pair))
-      kinds.append(pair.kind)
-    if self.eval_too_long:
-      log.warning("%d held-out pairs exceed the context (%d tokens) and are not evaluated", self.eval_too_long,
-                  self.encoder.max_length)
-    if not encoded:
-      raise ValueError("no held-out preference pair fits the model's context; check reward_model.eval_data / "
-                       "eval_fraction and model.max_position_embeddings")
-    return [(collate_pairs(encoded[i:i + size], margins[i:i + size], self.tokenizer.pad_id, size,
-                           self.encoder.max_length), kinds[i:i + size]) for i in range(0, len(encoded), size)]
+    batches, self.eval_too_long = held_out_batches(self.data.eval_pairs, self.encoder,
+                                                   self.config.reward_model.batch_size, self.tokenizer.pad_id,
+                                                   self._margin)
+    return batches
 
   def next_batch(self) -> PreferenceBatch:
     """The next ``reward_model.batch_size`` training pairs that fit the context (skips counted)."""
-    size = self.config.reward_model.batch_size
-    encoded, margins, too_long = [], [], 0
-    while len(encoded) < size:
-      pair = self.data.train_pair(self.pairs.position)
-      self.pairs.position += 1
-      enc = self.encoder.pair(pair)
-      if enc is None:
-        too_long += 1
-        self.pairs.skipped_too_long += 1
-        if too_long >= MAX_CONSECUTIVE_TOO_LONG:
-          raise ValueError(f"{too_long} consecutive training pairs (last: {pair.source}) exceed the context of "
-                           f"{self.encoder.max_length} tokens (model.max_position_embeddings)")
-        continue
-      too_long = 0
-      encoded.append(enc)
-      margins.append(self._margin(pair))
-    self.pairs.seen += size
-    return collate_pairs(encoded, margins, self.tokenizer.pad_id, size, self.encoder.max_length)
+    return self.pairs.next_batch(self.data, self.encoder, self.config.reward_model.batch_size, self.tokenizer.pad_id,
+                                 self._margin)
 
   # ------------------------------------------------------------------ steps and evaluation
 

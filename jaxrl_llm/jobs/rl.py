@@ -80,8 +80,8 @@ class RLJob(Job):
     self.task, self.long_prompts = check_prompts(self, c.rl.max_new_tokens)  # every row fits, or stop here
     self.critic_config = self.model_config.replace(value_head=True) if c.critic.enabled else None
     self.optimizer = builders.build_optimizer(c, c.sft.steps + c.rl.steps * c.rl.updates_per_batch)
-    self.critic_optimizer = (optim.make_optimizer(c.critic.lr, max_grad_norm=c.optimizer.max_grad_norm)
-                             if c.critic.enabled else None)
+    critic_optimizer = optim.make_optimizer(c.critic.lr, max_grad_norm=c.optimizer.max_grad_norm)
+    self.critic_optimizer = builders.for_trainable(c, critic_optimizer) if c.critic.enabled else None
     self.objective = builders.build_objective(c)
     self.uses_ref = builders.needs_reference_policy(c)
     self.kl_coef_base = builders.objective_kl_coef(c)

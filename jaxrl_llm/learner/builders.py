@@ -25,6 +25,8 @@ from jaxrl_llm import bridge, models, objectives as O, settings as settings_lib
 from jaxrl_llm.bridge.safetensors_io import SafetensorsCheckpoint
 from jaxrl_llm.diagnostics import control
 from jaxrl_llm.learner import optim
+from jaxrl_llm.models import lora
+from jaxrl_llm.models.api import LORA_KEY
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import INIT_STD
 from jaxrl_llm.tasks import base as task_base
@@ -40,8 +42,14 @@ def build_tokenizer(config: ml_collections.ConfigDict, task: task_base.Task) -> 
 
 def build_model_config(config: ml_collections.ConfigDict, tokenizer: bridge.Tokenizer,
                        **overrides: Any) -> ModelConfig:
-  """The policy's ModelConfig: from the HF checkpoint's config.json, or from ``config.model``."""
+  """The policy's ModelConfig: from the HF checkpoint's config.json, or from ``config.model``.
+
+  ``config.model.lora`` gives the adapters (rank 0: none) in either case.
+  """
   m = config.model
+  lo = m.lora
+  overrides = dict(lora_rank=lo.rank, lora_alpha=float(lo.alpha), lora_targets=tuple(lo.targets) if lo.rank else (),
+                   **overrides)
   if config.init.hf_checkpoint:
     base = bridge.config_from_hf(config.init.hf_checkpoint, param_dtype=m.param_dtype)
     return base.replace(dtype=m.dtype, remat=m.remat, batch_invariant=m.batch_invariant,
@@ -69,7 +77,11 @@ def build_params(config: ml_collections.ConfigDict, model_config: ModelConfig, m
   """
   shardings = models.param_shardings(model_config, mesh)
   if hf_folder:
-    return _import_with_heads(hf_folder, model_config, mesh, seed)
+    if not model_config.lora_rank:
+      return _import_with_heads(hf_folder, model_config, mesh, seed)
+    base = _import_with_heads(hf_folder, model_config.replace(lora_rank=0, lora_targets=()), mesh, seed)
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), LORA_KEY)
+    return jax.jit(lambda p: lora.add_adapters(p, model_config, key), out_shardings=shardings)(base)
   params = jax.jit(lambda key: models.init_params(model_config, key), out_shardings=shardings)(
       jax.random.PRNGKey(seed))
   return params
@@ -416,14 +428,22 @@ def _entry_errors(where: str, name: str, kwargs: dict, behaviour: bool, stale: b
 # ------------------------------------------------------------------ optimizers
 
 
+def for_trainable(config: ml_collections.ConfigDict, optimizer: optax.GradientTransformation
+                  ) -> optax.GradientTransformation:
+  """``optimizer`` over the trainable leaves only when ``model.lora.rank`` > 0 (adapters and scalar heads)."""
+  return optim.train_only(optimizer, lora.trainable_mask) if config.model.lora.rank else optimizer
+
+
 def build_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
   o = config.optimizer
-  return optim.make_optimizer(o.lr, o.warmup_steps, total_steps, o.schedule, weight_decay=o.weight_decay,
-                              b1=o.b1, b2=o.b2, max_grad_norm=o.max_grad_norm)
+  return for_trainable(config, optim.make_optimizer(o.lr, o.warmup_steps, total_steps, o.schedule,
+                                                    weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
+                                                    max_grad_norm=o.max_grad_norm))
 
 
 def build_sft_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """The supervised warm start's optimizer: ``sft.lr`` after ``sft.warmup_steps``, constant, AdamW."""
   o = config.optimizer
-  return optim.make_optimizer(config.sft.lr, config.sft.warmup_steps, max(1, config.sft.steps), "constant",
-                              weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, max_grad_norm=o.max_grad_norm)
+  return for_trainable(config, optim.make_optimizer(config.sft.lr, config.sft.warmup_steps, max(1, config.sft.steps),
+                                                    "constant", weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
+                                                    max_grad_norm=o.max_grad_norm))

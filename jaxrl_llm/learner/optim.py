@@ -8,6 +8,10 @@ recompiling anything.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -86,3 +90,31 @@ def set_lr_scale(opt_state, value: float):
       s = s._replace(hyperparams=hp)
     new.append(s)
   return tuple(new)
+
+
+def train_only(inner: optax.GradientTransformation, trainable: Callable[[Any], Any]) -> optax.GradientTransformation:
+  """``inner`` applied to the leaves ``trainable(params)`` marks True; the others get zero updates.
+
+  The state is ``inner``'s state over the list of trainable leaves only (with LoRA,
+  :func:`jaxrl_llm.models.lora.trainable_mask`: the adapters and scalar heads), so
+  optimizer memory is the adapters' size, and :func:`set_lr_scale` reads it as
+  before. Gradient clipping and weight decay see the trainable leaves alone.
+
+  Args:
+    inner: the optimizer of the trainable leaves (e.g. :func:`make_optimizer`).
+    trainable: params -> bool pytree of the same structure.
+  """
+  def select(tree: Any, mask: list) -> list:
+    return [x for x, m in zip(jax.tree.leaves(tree), mask) if m]
+
+  def init(params):
+    return inner.init(select(params, jax.tree.leaves(trainable(params))))
+
+  def update(updates, state, params=None):
+    mask = jax.tree.leaves(trainable(updates))
+    leaves, treedef = jax.tree.flatten(updates)
+    chosen, state = inner.update(select(updates, mask), state, None if params is None else select(params, mask))
+    it = iter(chosen)
+    return jax.tree.unflatten(treedef, [next(it) if m else jnp.zeros_like(x) for x, m in zip(leaves, mask)]), state
+
+  return optax.GradientTransformation(init, update)

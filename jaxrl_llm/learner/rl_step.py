@@ -232,6 +232,7 @@ def make_rl_step(spec: RLStepSpec, objective: O.ObjectiveTransform, optimizer: o
     raise ValueError("make_rl_step: a critic needs critic_optimizer")
   if spec.grad_atoms and mesh is None:
     raise ValueError("make_rl_step: spec.grad_atoms > 0 (batch-invariant path) needs the learner mesh")
+  adapters_only = spec.model.lora_rank > 0  # LoRA: only adapters (and the critic's value head) train
 
   def loss_fn(trainable, mb, normaliser, obj_state):
     params, critic_params = trainable
@@ -254,12 +255,13 @@ def make_rl_step(spec: RLStepSpec, objective: O.ObjectiveTransform, optimizer: o
   def gradients(state: TrainState, obj_state: Any, batch: RLBatch):
     normaliser = update.replicated(normaliser_fn, mesh)(batch, obj_state)
     return update.accumulate_atoms(loss_fn, (state.params, state.critic_params), batch, spec.grad_atoms, mesh,
-                                   normaliser, obj_state)
+                                   normaliser, obj_state, adapters_only=adapters_only)
 
   def step(state: TrainState, obj_state: Any, batch: RLBatch):
     trainable = (state.params, state.critic_params)
     normaliser = normaliser_fn(batch, obj_state)
-    loss, grads, aux = update.accumulate(loss_fn, trainable, batch, spec.micro_batches, normaliser, obj_state)
+    loss, grads, aux = update.accumulate(loss_fn, trainable, batch, spec.micro_batches, normaliser, obj_state,
+                                         adapters_only=adapters_only)
     return finish(state, loss, grads, aux)
 
   def finish(state: TrainState, loss, grads, aux):

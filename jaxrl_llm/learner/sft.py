@@ -95,6 +95,8 @@ def make_sft_step(config: ModelConfig, optimizer: optax.GradientTransformation, 
       (``update.accumulate_atoms`` over A atoms on ``mesh``; same bits for any
       micro-batch count, mesh layout and process count).
     mesh: the learner mesh (needed with ``grad_atoms``).
+
+  With LoRA (``config.lora_rank`` > 0) only the adapters are differentiated.
   """
   loss_fn = functools.partial(sft_token_loss, config=config)
   if grad_atoms and mesh is None:
@@ -107,12 +109,14 @@ def make_sft_step(config: ModelConfig, optimizer: optax.GradientTransformation, 
 
   def gradients(state: TrainState, batch: SftBatch):
     count = update.replicated(reduce.token_count, mesh)(batch.target_mask_bt)
-    loss, grads, _ = update.accumulate_atoms(loss_fn, state.params, batch, grad_atoms, mesh, count)
+    loss, grads, _ = update.accumulate_atoms(loss_fn, state.params, batch, grad_atoms, mesh, count,
+                                             adapters_only=config.lora_rank > 0)
     return grads, loss, count
 
   def step(state: TrainState, batch: SftBatch):
     count = reduce.token_count(batch.target_mask_bt)
-    loss, grads, _ = update.accumulate(loss_fn, state.params, batch, micro_batches, count)
+    loss, grads, _ = update.accumulate(loss_fn, state.params, batch, micro_batches, count,
+                                       adapters_only=config.lora_rank > 0)
     return finish(state, grads, loss, count)
 
   if grad_atoms:

@@ -52,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxrl_llm import reduce
 from jaxrl_llm.learner.mesh import BATCH_AXES, check_grad_atoms
 from jaxrl_llm.learner.state import TrainState
-from jaxrl_llm.models import axes
+from jaxrl_llm.models import axes, lora
 from jaxrl_llm.ops import opaque
 
 
@@ -65,8 +65,37 @@ def split_micro(batch: Any, micro_batches: int) -> Any:
   return jax.tree.map(split, batch)
 
 
+class TrainablePart:
+  """The leaves of a parameter tree that train, and the way back to the whole tree.
+
+  With LoRA adapters (:mod:`jaxrl_llm.models.lora`) only the adapters and the scalar
+  heads train: the gradient is taken with respect to those leaves alone (the frozen
+  kernels enter the loss as constants, so no [in, out] weight gradient is ever
+  formed), and :meth:`expand` gives the optimizer a full tree with zeros at the frozen
+  leaves, which :func:`jaxrl_llm.learner.optim.train_only` ignores.
+  """
+
+  def __init__(self, params: Any):
+    leaves, self.treedef = jax.tree.flatten(params)
+    self.mask = jax.tree.leaves(lora.trainable_mask(params))
+    self.train = [x for x, m in zip(leaves, self.mask) if m]
+    self.frozen = [x for x, m in zip(leaves, self.mask) if not m]
+
+  def rebuild(self, train: Sequence[Any], frozen: Sequence[Any]) -> Any:
+    it_t, it_f = iter(train), iter(frozen)
+    return jax.tree.unflatten(self.treedef, [next(it_t) if m else next(it_f) for m in self.mask])
+
+  def expand(self, grads: Sequence[Any]) -> Any:
+    """The whole tree's gradients: ``grads`` at the trainable leaves, zeros elsewhere."""
+    return self.rebuild(grads, [jnp.zeros_like(x) for x in self.frozen])
+
+  def loss(self, loss_fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``loss_fn(params, mb, *args)`` as ``f(train, mb, frozen, *args)`` (frozen leaves passed as data)."""
+    return lambda train, mb, frozen, *args: loss_fn(self.rebuild(train, frozen), mb, *args)
+
+
 def accumulate(loss_fn: Callable[..., tuple[jax.Array, Any]], params: Any, batch: Any,
-               micro_batches: int, *args: Any) -> tuple[jax.Array, Any, Any]:
+               micro_batches: int, *args: Any, adapters_only: bool = False) -> tuple[jax.Array, Any, Any]:
   """Sums loss and gradients of ``loss_fn(params, micro_batch, *args)`` over micro-batches.
 
   Args:
@@ -77,9 +106,16 @@ def accumulate(loss_fn: Callable[..., tuple[jax.Array, Any]], params: Any, batch
     micro_batches: m (divides B).
     *args: passed unchanged (global normalisers, frozen reference params, ...).
 
+    adapters_only: differentiate only the LoRA adapters and scalar heads
+      (:class:`TrainablePart`); the frozen leaves' gradients are zeros.
+
   Returns:
     (loss, grads, aux_stacked) with aux leaves of shape [m, ...].
   """
+  if adapters_only:
+    part = TrainablePart(params)
+    loss, grads, aux = accumulate(part.loss(loss_fn), part.train, batch, micro_batches, part.frozen, *args)
+    return loss, part.expand(grads), aux
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if micro_batches == 1:
     (loss, aux), grads = grad_fn(params, batch, *args)
@@ -253,8 +289,8 @@ def _tree_push(stack: list, count: jax.Array, grads: Any) -> list:
 
 
 def accumulate_atoms(loss_fn: Callable[..., tuple[jax.Array, Any]], params: Any, batch: Any, atoms: int,
-                     mesh: Mesh, *args: Any,
-                     batch_axes: Sequence[str] = BATCH_AXES) -> tuple[jax.Array, Any, Any]:
+                     mesh: Mesh, *args: Any, batch_axes: Sequence[str] = BATCH_AXES,
+                     adapters_only: bool = False) -> tuple[jax.Array, Any, Any]:
   """Batch-invariant :func:`accumulate`: per-atom gradients summed by a fixed tree.
 
   The result has the same bits for any mesh whose batch shards divide
@@ -280,11 +316,17 @@ def accumulate_atoms(loss_fn: Callable[..., tuple[jax.Array, Any]], params: Any,
     mesh: the learner mesh.
     *args: passed unchanged to every atom (replicated).
     batch_axes: mesh axes the atoms are split over, in device order.
+    adapters_only: as in :func:`accumulate`.
 
   Returns:
     (loss, grads, aux_stacked): replicated scalar loss and gradients, and
     ``aux`` stacked over atoms in global order (leaves [A, ...]).
   """
+  if adapters_only:
+    part = TrainablePart(params)
+    loss, grads, aux = accumulate_atoms(part.loss(loss_fn), part.train, batch, atoms, mesh, part.frozen, *args,
+                                        batch_axes=batch_axes)
+    return loss, part.expand(grads), aux
   axes = tuple(a for a in batch_axes if a in mesh.axis_names)
   num_rows = jax.tree.leaves(batch)[0].shape[0]
   local_atoms = check_atoms(num_rows, atoms, mesh, batch_axes=axes)

@@ -14,14 +14,15 @@ maps every parameter (``batch_sharding`` the batch dimension of a batch array)
 to a ``NamedSharding`` through ``LOGICAL_AXIS_RULES``.
 
 Modules, lowest first: ``config``, ``axes`` (the logical-axis table),
-``layers``, ``transformer``, ``api``, ``sharding``.
+``layers``, ``transformer``, ``lora`` (adapters: trainable leaves, merge), ``api``,
+``sharding``.
 """
 
 from jaxrl_llm.models.api import (KVCache, decode_step, forward, init_params, last_true_index,
                                   positions_from_mask, prefill, reward_scores, sequence_logprobs,
                                   sequence_logprobs_and_entropy)
 from jaxrl_llm.models.axes import LOGICAL_AXIS_RULES
-from jaxrl_llm.models.config import FAMILIES, ModelConfig, RopeScaling, tiny
+from jaxrl_llm.models.config import FAMILIES, LORA_TARGETS, ModelConfig, RopeScaling, tiny
 from jaxrl_llm.models.sharding import batch_sharding, logical_axes, param_shardings
 from jaxrl_llm.models.transformer import Decoder
 
@@ -29,6 +30,7 @@ __all__ = [
     "Decoder",
     "FAMILIES",
     "KVCache",
+    "LORA_TARGETS",
     "LOGICAL_AXIS_RULES",
     "ModelConfig",
     "RopeScaling",

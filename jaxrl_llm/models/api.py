@@ -24,11 +24,13 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl_llm import ops
+from jaxrl_llm.models import lora
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import INIT_STD
 from jaxrl_llm.models.transformer import Decoder, abstract_boxed_params
 
 Params = Any
+LORA_KEY = 0x10A  # init_params draws the adapters' A from fold_in(rng, LORA_KEY)
 
 # Public entry points are jitted with the (hashable, frozen) config static, so a
 # call outside ``jit`` runs one compiled program instead of op-by-op dispatch;
@@ -49,8 +51,13 @@ def init_params(config: ModelConfig, rng: jax.Array) -> Params:
     rng: a ``jax.random`` key.
 
   Returns:
-    Plain nested dict of arrays in ``config.param_dtype`` (layout in model_spec).
+    Plain nested dict of arrays in ``config.param_dtype`` (layout in model_spec). With
+    ``config.lora_rank`` > 0: the base parameters of the same key as without LoRA, plus
+    fresh adapters (``lora.add_adapters``).
   """
+  if config.lora_rank:
+    base = init_params(config.replace(lora_rank=0, lora_targets=()), rng)
+    return lora.add_adapters(base, config, jax.random.fold_in(rng, LORA_KEY))
   shapes = nn.meta.unbox(abstract_boxed_params(config))
   paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   kinds = [str(getattr(path[-1], "key", path[-1])) for path, _ in paths]

@@ -14,6 +14,8 @@ import dataclasses
 from typing import Any, Optional
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+# Projections that can carry LoRA adapters (attention q/k/v/o, SwiGLU gate/up/down), as PEFT names them less "_proj".
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,10 @@ class ModelConfig:
     batch_invariant: use fixed-shape kernels so that a sequence's outputs do not
       depend on the rest of the batch (and sampler == learner bit for bit).
     pad_token_id / eos_token_id / bos_token_id: special ids (pad != eos).
+    lora_rank: r of the LoRA adapters (Hu et al. 2021, arXiv:2106.09685) on the
+      projections named in ``lora_targets``; 0: no adapters (see models/lora.py).
+    lora_alpha: adapters add ``(lora_alpha / lora_rank) * x @ A @ B``.
+    lora_targets: projections carrying adapters, among ``LORA_TARGETS``.
   """
 
   family: str = "qwen2"
@@ -83,6 +89,9 @@ class ModelConfig:
   pad_token_id: int = 0
   eos_token_id: int = 1
   bos_token_id: Optional[int] = None
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     errors = []
@@ -101,12 +110,28 @@ class ModelConfig:
         errors.append(f"{name}={getattr(self, name)!r}: expected float32, bfloat16 or float16")
     if self.pad_token_id == self.eos_token_id:
       errors.append(f"pad_token_id == eos_token_id == {self.pad_token_id}: the stop token must stay trainable, give padding its own id")
+    if self.lora_rank < 0:
+      errors.append(f"lora_rank={self.lora_rank}: expected >= 0 (0: no adapters)")
+    if self.lora_rank and not self.lora_targets:
+      errors.append(f"lora_rank={self.lora_rank} with no lora_targets: expected some of {LORA_TARGETS}")
+    if unknown := [t for t in self.lora_targets if t not in LORA_TARGETS]:
+      errors.append(f"lora_targets={tuple(self.lora_targets)}: {unknown} are not projections of this model; "
+                    f"expected some of {LORA_TARGETS}")
     if errors:
       raise ValueError("Invalid ModelConfig: " + "; ".join(errors))
 
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+  @property
+  def lora_scale(self) -> float:
+    """The adapters' output scale ``lora_alpha / lora_rank`` (PEFT's ``scaling``); 0 without adapters."""
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+  def lora_on(self, projection: str) -> int:
+    """The adapter rank of ``projection`` (one of ``LORA_TARGETS``): ``lora_rank`` or 0."""
+    return self.lora_rank if projection in self.lora_targets else 0
 
   def replace(self, **changes: Any) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

@@ -22,7 +22,7 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -40,6 +40,16 @@ def dtype(name: str) -> jnp.dtype:
   return jnp.dtype(name)
 
 
+def _declare_linear(module: "Linear") -> tuple[jax.Array, Optional[jax.Array]]:
+  kernel = module.param("kernel", nn.with_logical_partitioning(module.kernel_init, module.axes),
+                        (module.in_features, module.out_features), module.param_dtype)
+  bias = None
+  if module.use_bias:
+    bias = module.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), (module.axes[1],)),
+                        (module.out_features,), module.param_dtype)
+  return kernel, bias
+
+
 class Linear(nn.Module):
   """Holds ``kernel`` [in, out] (+ ``bias`` [out]); calling it returns ``(kernel, bias)``."""
 
@@ -52,13 +62,46 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self):
-    kernel = self.param("kernel", nn.with_logical_partitioning(self.kernel_init, self.axes),
-                        (self.in_features, self.out_features), self.param_dtype)
-    bias = None
-    if self.use_bias:
-      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), (self.axes[1],)),
-                        (self.out_features,), self.param_dtype)
-    return kernel, bias
+    return _declare_linear(self)
+
+
+class Projection(NamedTuple):
+  """A projection's arrays: ``kernel`` [in, out], ``bias`` [out] or None, and optional LoRA adapters
+  ``lora_a`` [in, r], ``lora_b`` [r, out] with their output scale (see :func:`project`)."""
+
+  kernel: jax.Array
+  bias: Optional[jax.Array]
+  lora_a: Optional[jax.Array] = None
+  lora_b: Optional[jax.Array] = None
+  lora_scale: float = 0.0
+
+
+# PEFT's default initialiser of A [in, r]: uniform(+-1 / sqrt(in)), i.e. kaiming_uniform with a = sqrt(5).
+LORA_A_INIT = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", in_axis=0, out_axis=1)
+
+
+class Projected(Linear):
+  """A :class:`Linear` that may carry LoRA adapters (Hu et al. 2021, arXiv:2106.09685).
+
+  With ``lora_rank`` r > 0 it also declares ``lora_a`` [in, r] (sharded like the
+  kernel's input axis; PEFT's uniform init) and ``lora_b`` [r, out] (sharded like
+  its output axis; zeros, so a fresh adapter changes nothing), both float32
+  master weights whatever ``param_dtype`` is. Calling it returns a :class:`Projection`.
+  """
+
+  lora_rank: int = 0
+  lora_scale: float = 0.0
+
+  @nn.compact
+  def __call__(self) -> Projection:
+    kernel, bias = _declare_linear(self)
+    if not self.lora_rank:
+      return Projection(kernel, bias)
+    a = self.param("lora_a", nn.with_logical_partitioning(LORA_A_INIT, (self.axes[0], None)),
+                   (self.in_features, self.lora_rank), jnp.float32)
+    b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, self.axes[1])),
+                   (self.lora_rank, self.out_features), jnp.float32)
+    return Projection(kernel, bias, a, b, self.lora_scale)
 
 
 class Scale(nn.Module):
@@ -93,6 +136,19 @@ def linear(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array], compute_d
   if bias is not None:
     y = y + bias.astype(compute_dtype)
   return y
+
+
+def project(x: jax.Array, p: Projection, compute_dtype) -> jax.Array:
+  """``x @ kernel + bias (+ lora_scale * (x @ lora_a) @ lora_b)`` in ``compute_dtype``; x [..., in].
+
+  The adapters stay unmerged, so their gradient never forms an [in, out] matrix:
+  ``dA = x^T (dy B^T) s`` and ``dB = (x A)^T dy s`` cost O(r (in + out)) per token.
+  """
+  y = linear(x, p.kernel, p.bias, compute_dtype)
+  if p.lora_a is None:
+    return y
+  h = jnp.dot(x.astype(compute_dtype), p.lora_a.astype(compute_dtype))
+  return y + jnp.dot(h, p.lora_b.astype(compute_dtype)) * jnp.asarray(p.lora_scale, compute_dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

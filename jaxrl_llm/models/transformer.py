@@ -29,10 +29,20 @@ import jax.numpy as jnp
 from jaxrl_llm import ops
 from jaxrl_llm.models.axes import constrain
 from jaxrl_llm.models.config import ModelConfig
-from jaxrl_llm.models.layers import (Embedding, Linear, Scale, apply_rope, dtype, linear, rms_norm,
-                                     rope_cos_sin, rope_inverse_frequencies)
+from jaxrl_llm.models.layers import (Embedding, Linear, Projected, Scale, apply_rope, dtype, linear, project,
+                                     rms_norm, rope_cos_sin, rope_inverse_frequencies)
 
 HEAD_OUTPUTS = ("hidden", "logits", "values", "rewards")
+
+
+def _projection_factory(c: ModelConfig):
+  """``make(name, in, out, axes, bias)``: the holder of projection ``name`` (with its LoRA rank, if targeted)."""
+  pd = dtype(c.param_dtype)
+
+  def make(name: str, in_features: int, out_features: int, axes, use_bias: bool) -> Projected:
+    return Projected(in_features, out_features, axes, use_bias, pd, lora_rank=c.lora_on(name),
+                     lora_scale=c.lora_scale)
+  return make
 
 
 class Attention(nn.Module):
@@ -43,10 +53,11 @@ class Attention(nn.Module):
   def setup(self):
     c = self.config
     hd, pd = c.resolved_head_dim, dtype(c.param_dtype)
-    self.q_proj = Linear(c.hidden_size, c.num_heads * hd, ("embed", "heads"), c.attention_bias, pd)
-    self.k_proj = Linear(c.hidden_size, c.num_kv_heads * hd, ("embed", "kv_heads"), c.attention_bias, pd)
-    self.v_proj = Linear(c.hidden_size, c.num_kv_heads * hd, ("embed", "kv_heads"), c.attention_bias, pd)
-    self.o_proj = Linear(c.num_heads * hd, c.hidden_size, ("heads", "embed"), False, pd)
+    proj = _projection_factory(c)
+    self.q_proj = proj("q", c.hidden_size, c.num_heads * hd, ("embed", "heads"), c.attention_bias)
+    self.k_proj = proj("k", c.hidden_size, c.num_kv_heads * hd, ("embed", "kv_heads"), c.attention_bias)
+    self.v_proj = proj("v", c.hidden_size, c.num_kv_heads * hd, ("embed", "kv_heads"), c.attention_bias)
+    self.o_proj = proj("o", c.num_heads * hd, c.hidden_size, ("heads", "embed"), False)
     if c.qk_norm:
       self.q_norm = Scale(hd, pd)
       self.k_norm = Scale(hd, pd)
@@ -65,10 +76,10 @@ class Mlp(nn.Module):
 
   def setup(self):
     c = self.config
-    pd = dtype(c.param_dtype)
-    self.gate_proj = Linear(c.hidden_size, c.intermediate_size, ("embed", "mlp"), False, pd)
-    self.up_proj = Linear(c.hidden_size, c.intermediate_size, ("embed", "mlp"), False, pd)
-    self.down_proj = Linear(c.intermediate_size, c.hidden_size, ("mlp", "embed"), False, pd)
+    proj = _projection_factory(c)
+    self.gate_proj = proj("gate", c.hidden_size, c.intermediate_size, ("embed", "mlp"), False)
+    self.up_proj = proj("up", c.hidden_size, c.intermediate_size, ("embed", "mlp"), False)
+    self.down_proj = proj("down", c.intermediate_size, c.hidden_size, ("mlp", "embed"), False)
 
   def __call__(self) -> dict:
     return dict(gate=self.gate_proj(), up=self.up_proj(), down=self.down_proj())
@@ -79,9 +90,9 @@ def _qkv_stage(p: dict, c: ModelConfig, inv_freq, x, positions):
   act = dtype(c.dtype)
   hd = c.resolved_head_dim
   h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-  q = linear(h, *p["q"], act).reshape(x.shape[:-1] + (c.num_heads, hd))
-  k = linear(h, *p["k"], act).reshape(x.shape[:-1] + (c.num_kv_heads, hd))
-  v = linear(h, *p["v"], act).reshape(x.shape[:-1] + (c.num_kv_heads, hd))
+  q = project(h, p["q"], act).reshape(x.shape[:-1] + (c.num_heads, hd))
+  k = project(h, p["k"], act).reshape(x.shape[:-1] + (c.num_kv_heads, hd))
+  v = project(h, p["v"], act).reshape(x.shape[:-1] + (c.num_kv_heads, hd))
   if c.qk_norm:
     q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
@@ -92,11 +103,11 @@ def _qkv_stage(p: dict, c: ModelConfig, inv_freq, x, positions):
 def _out_mlp_stage(p: dict, c: ModelConfig, x, o):
   """Token-wise: x + W_o o, then x + SwiGLU(RMSNorm(x)). x [..., D], o [..., H, hd]."""
   act = dtype(c.dtype)
-  x = x + linear(o.reshape(o.shape[:-2] + (-1,)), *p["o"], act)
+  x = x + project(o.reshape(o.shape[:-2] + (-1,)), p["o"], act)
   h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-  gate = linear(h, *p["gate"], act)
-  up = linear(h, *p["up"], act)
-  return x + linear(jax.nn.silu(gate) * up, *p["down"], act)
+  gate = project(h, p["gate"], act)
+  up = project(h, p["up"], act)
+  return x + project(jax.nn.silu(gate) * up, p["down"], act)
 
 
 def _head_stage(p: dict, c: ModelConfig, outputs: Sequence[str], x):

@@ -20,9 +20,12 @@ Example::
 Every cross-example reduction goes through :mod:`jaxrl_llm.reduce`: loss and
 metrics have the same bits for any micro-batching, padding or power-of-two
 data-parallel layout. See docs/objectives.md.
+
+Offline preference optimisation (DPO, IPO, SimPO) is in :mod:`.preference`: pure
+losses of per-sequence log-probabilities (docs/preference_optimization.md).
 """
 
-from jaxrl_llm.objectives import recipes
+from jaxrl_llm.objectives import preference, recipes
 from jaxrl_llm.objectives.aggregation import AGGREGATIONS, aggregate, aggregation_partials
 from jaxrl_llm.objectives.base import (Controlled, ControlledState, CountState, EmptyState,
                                        ObjectiveTransform, chain, control_keys, get_control,
@@ -34,6 +37,8 @@ from jaxrl_llm.objectives.loss import (Partials, concat_partials, finalize,
                                        per_example_partials)
 from jaxrl_llm.objectives.policy import (cispo, clipped_objective, decoupled, dual_clip,
                                          geppo_adaptive, gspo, ppo_clip)
+from jaxrl_llm.objectives.preference import (PREFERENCE_LOSSES, dpo_loss, ipo_loss, pair_losses,
+                                             preference_metrics, simpo_loss)
 from jaxrl_llm.objectives.recipes import RECIPES, recipe
 from jaxrl_llm.objectives.record import TokenRecord, make_record
 from jaxrl_llm.objectives.regularizers import (KL_ESTIMATORS, critic_warmup, entropy_bonus,
@@ -43,11 +48,12 @@ from jaxrl_llm.objectives.stats import DEFAULT_QUANTILES, masked_quantiles
 __all__ = [
     "AGGREGATIONS", "CORRECTIONS", "Controlled", "ControlledState", "CountState", "control_keys", "get_control",
     "set_control", "DEFAULT_QUANTILES", "EmptyState", "KL_ESTIMATORS", "LEVELS",
-    "ObjectiveTransform", "Partials", "RECIPES", "TokenRecord", "aggregate",
+    "ObjectiveTransform", "PREFERENCE_LOSSES", "Partials", "RECIPES", "TokenRecord", "aggregate",
     "aggregation_partials", "chain", "cispo", "clipped_objective",
-    "concat_partials", "critic_warmup", "decoupled", "dual_clip", "entropy_bonus", "finalize",
-    "geppo_adaptive", "gspo", "kl_estimate", "kl_loss", "loss_normaliser", "make_record",
+    "concat_partials", "critic_warmup", "decoupled", "dpo_loss", "dual_clip", "entropy_bonus", "finalize",
+    "geppo_adaptive", "gspo", "ipo_loss", "kl_estimate", "kl_loss", "loss_normaliser", "make_record",
     "masked_is", "masked_quantiles", "micro_batch_loss", "objective_loss",
-    "per_example_partials", "ppo_clip", "recipe", "recipes", "scheduled", "segment_is",
-    "segment_sums", "sft_loss", "staleness_filter", "stateless", "truncated_is", "value_loss",
+    "pair_losses", "per_example_partials", "ppo_clip", "preference", "preference_metrics", "recipe", "recipes",
+    "scheduled", "segment_is",
+    "segment_sums", "sft_loss", "simpo_loss", "staleness_filter", "stateless", "truncated_is", "value_loss",
 ]

@@ -6,7 +6,8 @@ Modules:
                truncated responses; the no-EOS penalty.
   preferences  preference pairs: JSONL loader (file:line errors, identical pairs skipped),
                held-out split, built-in pairs of any task (``Task.preference_pairs``).
-  encoding     prompt | response | EOS token rows (chat template), right-padded pair batches.
+  encoding     prompt | response | EOS token rows (chat template), right-padded pair batches, the
+               checkpointed stream of training pair batches (shared with the DPO job).
   step         the Bradley-Terry training step (the job is ``jaxrl_llm.jobs.RewardModelJob``).
   scorer       batched scoring of trajectories on the learner mesh; rule + RM combination,
                running z-score, clipping, reference-response baseline.
@@ -15,7 +16,8 @@ Modules:
 See docs/reward_models.md.
 """
 
-from jaxrl_llm.reward_model.encoding import PairEncoder, PreferenceBatch, collate_pairs, encode_prompt
+from jaxrl_llm.reward_model.encoding import (PairEncoder, PairStream, PreferenceBatch, collate_pairs, encode_prompt,
+                                             held_out_batches)
 from jaxrl_llm.reward_model.eos import apply_no_eos_penalty, ends_with_eos, score_index
 from jaxrl_llm.reward_model.loss import (bradley_terry_loss, mean_margin, pairwise_accuracy, pairwise_losses,
                                          preference_metrics)
@@ -26,10 +28,11 @@ from jaxrl_llm.reward_model.scorer import RewardModelScorer, SequenceRewards, bu
 from jaxrl_llm.reward_model.shaping import KLRewardShaper, build_kl_shaper
 
 __all__ = [
-    "KLRewardShaper", "ListPreferences", "PairEncoder", "PreferenceBatch", "PreferenceData", "PreferencePair",
-    "RewardModelScorer", "SequenceRewards", "TaskPreferences",
+    "KLRewardShaper", "ListPreferences", "PairEncoder", "PairStream", "PreferenceBatch", "PreferenceData",
+    "PreferencePair", "RewardModelScorer", "SequenceRewards", "TaskPreferences",
     "apply_no_eos_penalty", "bradley_terry_loss", "build_kl_shaper", "build_preference_data",
-    "build_sequence_rewards", "collate_pairs", "encode_prompt", "ends_with_eos", "jsonl_preferences",
-    "load_preference_jsonl", "mean_margin", "pairwise_accuracy", "pairwise_losses", "preference_metrics",
+    "build_sequence_rewards", "collate_pairs", "encode_prompt", "ends_with_eos", "held_out_batches",
+    "jsonl_preferences", "load_preference_jsonl", "mean_margin", "pairwise_accuracy", "pairwise_losses",
+    "preference_metrics",
     "score_index", "split_pairs",
 ]

@@ -11,11 +11,17 @@ list of messages is rendered as given) with the assistant-turn header appended,
 then it is encoded without extra special tokens. The response is encoded
 without special tokens and the EOS id is appended (a truncated RL sample, which
 has no EOS, is scored without it: see :mod:`.eos`).
+
+:class:`PairStream` reads the training pairs batch by batch (its position is
+checkpointed) and :func:`held_out_batches` batches the held-out pairs, for every
+job that trains on pairs (the reward model; DPO, IPO and SimPO).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Union
+import dataclasses
+import logging
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +29,9 @@ import numpy as np
 from flax import struct
 
 from jaxrl_llm.bridge import Tokenizer
-from jaxrl_llm.reward_model.preferences import Messages, PreferencePair
+from jaxrl_llm.reward_model.preferences import Messages, PreferenceData, PreferencePair
+
+log = logging.getLogger("jaxrl_llm")
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: Union[str, Messages], use_chat_template: bool,
@@ -105,7 +113,9 @@ class PreferenceBatch:
     rejected_bt: int32 [B, T] prompt + rejected response + EOS, then padding.
     rejected_mask_bt: bool [B, T] real tokens of the rejected sequence.
     chosen_target_mask_bt: bool [B, T] the chosen response and its EOS (the
-      optional language-model term's targets).
+      optional language-model term's targets; DPO's chosen log-probability).
+    rejected_target_mask_bt: bool [B, T] the rejected response and its EOS (DPO's
+      rejected log-probability).
     margin_b: float32 [B] margin of each pair.
     valid_b: bool [B] False on padding pairs (they add nothing to loss or metrics).
   """
@@ -115,6 +125,7 @@ class PreferenceBatch:
   rejected_bt: jax.Array
   rejected_mask_bt: jax.Array
   chosen_target_mask_bt: jax.Array
+  rejected_target_mask_bt: jax.Array
   margin_b: jax.Array
   valid_b: jax.Array
 
@@ -157,11 +168,94 @@ def collate_pairs(encoded: Sequence[EncodedPair], margins: Sequence[float], pad_
   width = bucket_width(longest, bucket, max_length)
   chosen, chosen_mask = pad_rows([p.chosen for p in encoded], pad_id, num_pairs, width)
   rejected, rejected_mask = pad_rows([p.rejected for p in encoded], pad_id, num_pairs, width)
-  targets = chosen_mask.copy()
+  targets, rejected_targets = chosen_mask.copy(), rejected_mask.copy()
   for i, p in enumerate(encoded):
     targets[i, :p.prompt_length] = False
+    rejected_targets[i, :p.prompt_length] = False
   margin = np.zeros(num_pairs, np.float32)
   margin[:len(encoded)] = margins
   valid = np.arange(num_pairs) < len(encoded)
   return PreferenceBatch(jnp.asarray(chosen), jnp.asarray(chosen_mask), jnp.asarray(rejected),
-                         jnp.asarray(rejected_mask), jnp.asarray(targets), jnp.asarray(margin), jnp.asarray(valid))
+                         jnp.asarray(rejected_mask), jnp.asarray(targets), jnp.asarray(rejected_targets),
+                         jnp.asarray(margin), jnp.asarray(valid))
+
+
+# --------------------------------------------------------------------------- streams of pair batches
+
+# Consecutive training pairs that do not fit the context before the run gives up.
+MAX_CONSECUTIVE_TOO_LONG = 1000
+
+
+@dataclasses.dataclass
+class PairStream:
+  """Position in the training pairs (checkpointed: a resumed run reads the pairs it would have).
+
+  Shared by the jobs that train on pairs (the reward model, DPO / IPO / SimPO).
+  """
+
+  position: int = 0
+  seen: int = 0
+  skipped_too_long: int = 0
+
+  def get_state(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def set_state(self, state: dict) -> None:
+    for k, v in state.items():
+      setattr(self, k, v)
+
+  def next_batch(self, data: PreferenceData, encoder: PairEncoder, size: int, pad_id: int,
+                 margin_of: Callable[[PreferencePair], float]) -> PreferenceBatch:
+    """The next ``size`` training pairs of ``data`` that fit the context (skips counted).
+
+    Raises:
+      ValueError: after :data:`MAX_CONSECUTIVE_TOO_LONG` pairs in a row that do not fit.
+    """
+    encoded, margins, too_long = [], [], 0
+    while len(encoded) < size:
+      pair = data.train_pair(self.position)
+      self.position += 1
+      enc = encoder.pair(pair)
+      if enc is None:
+        too_long += 1
+        self.skipped_too_long += 1
+        if too_long >= MAX_CONSECUTIVE_TOO_LONG:
+          raise ValueError(f"{too_long} consecutive training pairs (last: {pair.source}) exceed the context of "
+                           f"{encoder.max_length} tokens (model.max_position_embeddings)")
+        continue
+      too_long = 0
+      encoded.append(enc)
+      margins.append(margin_of(pair))
+    self.seen += size
+    return collate_pairs(encoded, margins, pad_id, size, encoder.max_length)
+
+
+def held_out_batches(pairs: Sequence[PreferencePair], encoder: PairEncoder, size: int, pad_id: int,
+                     margin_of: Callable[[PreferencePair], float]
+                     ) -> tuple[list[tuple[PreferenceBatch, list[str]]], int]:
+  """Held-out pairs as batches of ``size`` rows, each with its pairs' kinds; too-long pairs are left out.
+
+  Returns:
+    ``(batches, too_long)``: ``[(batch, kinds)]`` (the last batch padded with invalid pairs) and the
+    number of pairs left out.
+
+  Raises:
+    ValueError: when no pair fits the context.
+  """
+  encoded, margins, kinds, too_long = [], [], [], 0
+  for pair in pairs:
+    enc = encoder.pair(pair)
+    if enc is None:
+      too_long += 1
+      continue
+    encoded.append(enc)
+    margins.append(margin_of(pair))
+    kinds.append(pair.kind)
+  if too_long:
+    log.warning("%d held-out pairs exceed the context (%d tokens) and are not evaluated", too_long,
+                encoder.max_length)
+  if not encoded:
+    raise ValueError("no held-out preference pair fits the model's context; check reward_model.eval_data / "
+                     "eval_fraction and model.max_position_embeddings")
+  return [(collate_pairs(encoded[i:i + size], margins[i:i + size], pad_id, size, encoder.max_length),
+           kinds[i:i + size]) for i in range(0, len(encoded), size)], too_long

@@ -33,18 +33,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from jaxrl_llm import reduce
-from jaxrl_llm.advantages import checks
+from jaxrl_llm.objectives import preference
+# The pairwise metrics are shared with the preference-optimisation losses (DPO, IPO, SimPO).
+from jaxrl_llm.objectives.preference import mean_margin, pairwise_accuracy, preference_metrics
+
+__all__ = ["bradley_terry_loss", "mean_margin", "pairwise_accuracy", "pairwise_losses", "preference_metrics"]
 
 
 def _check_pairs(who: str, chosen_b, rejected_b, margin_b=None, valid_b=None) -> int:
-  checks.check_rank(who, "chosen_b", chosen_b, 1, "[B]")
-  batch = checks.shape_of(chosen_b)[0]
-  checks.check_b(who, "rejected_b", rejected_b, batch, "chosen_b")
-  if margin_b is not None:
-    checks.check_b(who, "margin_b", margin_b, batch, "chosen_b")
-  if valid_b is not None:
-    checks.check_b(who, "valid_b", valid_b, batch, "chosen_b")
-  return batch
+  return preference.check_pairs(who, chosen_b=chosen_b, rejected_b=rejected_b, margin_b=margin_b, valid_b=valid_b)
 
 
 def pairwise_losses(
@@ -97,83 +94,8 @@ def bradley_terry_loss(
     ``(loss, metrics)``: float32 scalar and :func:`preference_metrics`.
   """
   _check_pairs("bradley_terry_loss", chosen_b, rejected_b, margin_b, valid_b)
-  valid = _valid(chosen_b, valid_b)
+  valid = preference.pair_mask(chosen_b, valid_b)
   losses = pairwise_losses(chosen_b, rejected_b, margin_b)
   den = reduce.batch_count(valid) if normaliser is None else jnp.asarray(normaliser, jnp.float32)
   loss = reduce.safe_div(reduce.batch_sum(losses, valid), den)
   return loss, preference_metrics(chosen_b, rejected_b, valid)
-
-
-def _valid(chosen_b, valid_b) -> Array:
-  if valid_b is None:
-    return jnp.ones(checks.shape_of(chosen_b), bool)
-  return jnp.asarray(valid_b).astype(bool)
-
-
-def pairwise_accuracy(
-    chosen_b: Float[ArrayLike, "B"],
-    rejected_b: Float[ArrayLike, "B"],
-    valid_b: Optional[Bool[ArrayLike, "B"]] = None,
-) -> Float[Array, ""]:
-  """Share of valid pairs ranked right: ``mean(1[r_c > r_r] + 0.5 * 1[r_c == r_r])``.
-
-  A tie counts one half, so a constant reward model scores exactly 0.5 (chance).
-
-  Args:
-    chosen_b: float [B].
-    rejected_b: float [B].
-    valid_b: optional bool [B].
-
-  Returns:
-    float32 scalar in [0, 1] (0 with no valid pair).
-  """
-  _check_pairs("pairwise_accuracy", chosen_b, rejected_b, None, valid_b)
-  c = jnp.asarray(chosen_b, jnp.float32)
-  r = jnp.asarray(rejected_b, jnp.float32)
-  hit = jnp.where(c > r, 1.0, jnp.where(c == r, 0.5, 0.0))
-  return reduce.batch_mean(hit, _valid(chosen_b, valid_b))
-
-
-def mean_margin(
-    chosen_b: Float[ArrayLike, "B"],
-    rejected_b: Float[ArrayLike, "B"],
-    valid_b: Optional[Bool[ArrayLike, "B"]] = None,
-) -> Float[Array, ""]:
-  """Mean score gap ``mean(r_c - r_r)`` over valid pairs (0 with none).
-
-  Args:
-    chosen_b: float [B].
-    rejected_b: float [B].
-    valid_b: optional bool [B].
-
-  Returns:
-    float32 scalar.
-  """
-  _check_pairs("mean_margin", chosen_b, rejected_b, None, valid_b)
-  gap = jnp.asarray(chosen_b, jnp.float32) - jnp.asarray(rejected_b, jnp.float32)
-  return reduce.batch_mean(gap, _valid(chosen_b, valid_b))
-
-
-def preference_metrics(
-    chosen_b: Float[ArrayLike, "B"],
-    rejected_b: Float[ArrayLike, "B"],
-    valid_b: Optional[Bool[ArrayLike, "B"]] = None,
-) -> dict[str, Array]:
-  """Pairwise accuracy, mean margin and mean chosen / rejected scores.
-
-  Args:
-    chosen_b: float [B].
-    rejected_b: float [B].
-    valid_b: optional bool [B].
-
-  Returns:
-    dict of float32 scalars: ``accuracy``, ``margin``, ``chosen``, ``rejected``, ``pairs``.
-  """
-  valid = _valid(chosen_b, valid_b)
-  return {
-      "accuracy": pairwise_accuracy(chosen_b, rejected_b, valid),
-      "margin": mean_margin(chosen_b, rejected_b, valid),
-      "chosen": reduce.batch_mean(jnp.asarray(chosen_b, jnp.float32), valid),
-      "rejected": reduce.batch_mean(jnp.asarray(rejected_b, jnp.float32), valid),
-      "pairs": reduce.batch_count(valid),
-  }

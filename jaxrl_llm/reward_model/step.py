@@ -66,7 +66,7 @@ def make_rm_step(config: ModelConfig, optimizer, micro_batches: int = 1, lm_coef
     counts = (reduce.batch_count(batch.valid_b),
               reduce.token_count(batch.chosen_target_mask_bt & batch.valid_b[:, None]))
     total, grads, (chosen, rejected, bt, lm) = update.accumulate(loss_fn, state.params, batch, micro_batches,
-                                                                 counts)
+                                                                 counts, adapters_only=config.lora_rank > 0)
     state, metrics = update.apply_policy_update(state, grads, total, optimizer)
     pm = rm_loss.preference_metrics(chosen.reshape(-1), rejected.reshape(-1), batch.valid_b)
     metrics.update({"rm/loss": total, "rm/bt_loss": jnp.sum(bt), "rm/lm_loss": jnp.sum(lm),

@@ -45,6 +45,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import placement
 from jaxrl_llm.rollout.cluster import free_port, watch_driver
 from jaxrl_llm.rollout.schema import SCHEMA_VERSION, RolloutChunk, WorkItem
@@ -116,6 +117,18 @@ class SamplerSpec:
     raise ValueError(f"SamplerSpec.kind={self.kind!r}: expected 'jax' or 'vllm'")
 
 
+@dataclasses.dataclass(frozen=True)
+class AdapterUpdate:
+  """New LoRA adapters for a sampler that holds the (frozen) base weights.
+
+  With ``model.lora.rank`` > 0 only the adapters change during training, so the pool
+  sends a JAX sampler actor these (:func:`jaxrl_llm.models.lora.adapters_only`, host
+  numpy) instead of the whole model: megabytes per update instead of the model's size.
+  """
+
+  adapters: Any
+
+
 class SamplerWorker:
   """The actor body (a plain class; :func:`remote_actor_class` wraps it for Ray).
 
@@ -124,16 +137,22 @@ class SamplerWorker:
     params: initial weights (host numpy pytree).
     version: their policy version.
     sampler_id: a name for logs and fault accounting.
+    adapters: an :class:`AdapterUpdate` that replaces the adapters of ``params`` (a restarted
+      actor of a LoRA run gets the base weights and the newest adapters).
 
   In an actor of the local cluster, a watchdog thread ends the process when the driver
   is gone (:func:`~jaxrl_llm.rollout.cluster.watch_driver`).
   """
 
-  def __init__(self, spec: SamplerSpec, params: Any, version: int, sampler_id: str):
+  def __init__(self, spec: SamplerSpec, params: Any, version: int, sampler_id: str,
+               adapters: Optional[AdapterUpdate] = None):
     watch_driver()
     _pin_devices(spec)
     self.spec = spec
     self.sampler_id = sampler_id
+    self._base = lora.without_adapters(params) if lora.has_adapters(params) else None  # LoRA: frozen base
+    if adapters is not None:
+      params = self._with_adapters(adapters)
     self.sampler = spec.build(params, version)
     self._lock = threading.Lock()  # held while generating a segment and while swapping weights
     self._staged: Optional[tuple[Any, int]] = None
@@ -145,12 +164,19 @@ class SamplerWorker:
 
   # ---------------------------------------------------------------- weights
 
+  def _with_adapters(self, update: AdapterUpdate) -> Any:
+    if self._base is None:
+      raise ValueError(f"sampler {self.sampler_id}: received LoRA adapters but holds a model without adapters")
+    return lora.with_adapters(self._base, update.adapters)
+
   def update_weights(self, params: Any, version: int) -> int:
-    """Stages ``params`` as ``version``; applied at the next segment boundary.
+    """Stages ``params`` (or an :class:`AdapterUpdate`) as ``version``; applied at the next segment boundary.
 
     Returns:
       The version now staged or held (monotone).
     """
+    if isinstance(params, AdapterUpdate):
+      params = self._with_adapters(params)
     with self._staged_cv:
       self._keep(params, int(version))
       self._staged_cv.notify_all()  # exact-version items may be waiting for this version

@@ -40,8 +40,9 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from jaxrl_llm.models import lora
 from jaxrl_llm.rollout import placement
-from jaxrl_llm.rollout.actor import SamplerSpec, remote_actor_class
+from jaxrl_llm.rollout.actor import AdapterUpdate, SamplerSpec, remote_actor_class
 from jaxrl_llm.rollout.cluster import ensure_ray
 from jaxrl_llm.rollout.repair import RepairBook
 from jaxrl_llm.rollout.schema import ChunkReasons, RolloutChunk, WorkItem
@@ -139,6 +140,9 @@ class SamplerPool:
     self._cls = remote_actor_class(actor_cpus)
     self._version = int(version)
     self._weights_ref = ray.put(_to_host(params))
+    # LoRA with JAX actors: after the first weights, publish only the adapters (the base is frozen).
+    self._adapters_only = spec.kind == "jax" and lora.has_adapters(params)
+    self._adapters_ref = None  # the newest AdapterUpdate, for restarted actors
     self._slots = [self._start(f"sampler-{i}") for i in range(num_samplers)]
     self._pending: collections.deque[tuple[WorkItem, int]] = collections.deque()
     self._in_flight: dict[Any, tuple[_Slot, WorkItem, int]] = {}
@@ -151,7 +155,7 @@ class SamplerPool:
 
   def _start(self, name: str, restarts: int = 0) -> _Slot:
     actor = self._cls.options(name=None, **self._placer.options(name)).remote(self.spec, self._weights_ref,
-                                                                             self._version, name)
+                                                                             self._version, name, self._adapters_ref)
     return _Slot(name=name, actor=actor, restarts=restarts)
 
   def describe(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
@@ -311,21 +315,29 @@ class SamplerPool:
   def publish(self, params: Any, version: int) -> float:
     """Sends ``params`` (version ``version``) to every actor; returns the seconds spent.
 
+    A LoRA run's JAX actors receive only the adapters (:class:`~jaxrl_llm.rollout.actor.AdapterUpdate`):
+    the base weights they got at start never change. ``stats.publish_bytes`` counts what is sent.
+
     Raises:
       ValueError: when ``version`` is not newer than the last published one.
     """
     if int(version) <= self._version:
       raise ValueError(f"publish: version {version} is not newer than the published {self._version}")
     t0 = time.perf_counter()
-    host = _to_host(params)
-    self._weights_ref = self._ray.put(host)
+    if self._adapters_only:
+      host = AdapterUpdate(_to_host(lora.adapters_only(params)))
+      ref = self._adapters_ref = self._ray.put(host)
+    else:
+      host = _to_host(params)
+      ref = self._weights_ref = self._ray.put(host)
     self._version = int(version)
     for slot in self._slots:
-      slot.actor.update_weights.remote(self._weights_ref, self._version)
+      slot.actor.update_weights.remote(ref, self._version)
     seconds = time.perf_counter() - t0
     self.stats.publishes += 1
     self.stats.publish_seconds += seconds
-    self.stats.publish_bytes += sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(host))
+    self.stats.publish_bytes += sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(
+        host.adapters if isinstance(host, AdapterUpdate) else host))
     return seconds
 
   @property
