@@ -111,3 +111,15 @@ def test_config_errors_name_the_field(tmp_path):
   with pytest.raises(C.ConfigError, match="dpo.beta=0.0: expected a finite number > 0"):
     C.validate(tiny_dpo_config(tmp_path, dpo__beta=0))
   C.validate(tiny_dpo_config(tmp_path, dpo__loss="ipo"))
+
+
+def test_nll_term_adds_the_chosen_per_token_nll():
+  """RPO (dpo.nll_coef): the loss is the DPO loss plus coef x the chosen response's per-token NLL."""
+  from jaxrl_llm.jobs.preference_optimization import PreferenceLoss
+  logps = (np.array([-3.0, -8.0], np.float32), np.array([-5.0, -6.0], np.float32),
+           np.array([3.0, 4.0], np.float32), np.array([3.0, 4.0], np.float32))
+  refs = (np.array([-4.0, -7.0], np.float32), np.array([-4.0, -7.0], np.float32))
+  plain, chosen, rejected = PreferenceLoss("dpo", beta=0.5)(logps, refs)
+  with_nll, chosen2, rejected2 = PreferenceLoss("dpo", beta=0.5, nll_coef=0.25)(logps, refs)
+  np.testing.assert_allclose(np.asarray(with_nll) - np.asarray(plain), 0.25 * np.array([1.0, 2.0]), rtol=1e-6)
+  np.testing.assert_array_equal(chosen, chosen2)  # the implicit rewards do not change

@@ -172,6 +172,20 @@ def test_peft_round_trip_gives_the_same_logits_through_transformers(tmp_path):
   np.testing.assert_allclose(via_peft[real], via_merged[real], atol=2e-4)
 
 
+def test_vllm_stream_carries_the_merged_weights():
+  params = _perturbed(models.init_params(LORA, jax.random.PRNGKey(0)))
+  merged = lora.merge(params, LORA)
+  streamed = dict(bridge.iter_hf_tensors(params, LORA))
+  expected = dict(bridge.iter_hf_tensors(merged, BASE))
+  assert streamed.keys() == expected.keys() and not any("lora" in k for k in streamed)
+  for name in expected:
+    np.testing.assert_array_equal(streamed[name], expected[name])
+  ranks = bridge.shard_for_vllm(params, LORA, tp_size=2)
+  for got, want in zip(ranks, bridge.shard_for_vllm(merged, BASE, tp_size=2)):
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name])
+
+
 def test_peft_export_needs_adapters(tmp_path):
   with pytest.raises(ValueError, match="no LoRA adapters"):
     peft_export.export_peft_adapter(models.init_params(BASE, jax.random.PRNGKey(0)), BASE, str(tmp_path))

@@ -250,6 +250,8 @@ class PreferenceOptimizationSettings:
   label_smoothing: float = setting(0.0, "loss='dpo': share eps of flipped labels (conservative DPO); 0: off",
                                    in_range(0, 0.5, high_open=True))
   simpo_gamma: float = setting(0.5, "loss='simpo': target margin gamma of the length-normalised rewards", NONNEG)
+  nll_coef: float = setting(0.0, "weight of the chosen response's per-token NLL added to the loss (RPO, "
+                            "arXiv:2404.19733: keeps the preferred answers' likelihood up); 0: off", NONNEG)
   steps: int = setting(200, "preference-optimisation steps (after the sft.steps warm start)", NONNEG_INT)
   batch_size: int = setting(32, "pairs per step", POSITIVE_INT)
   lr: float = setting(1e-5, "learning rate (optimizer.* otherwise; its state is reset after the warm start)",

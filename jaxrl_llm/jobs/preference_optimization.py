@@ -79,6 +79,7 @@ class PreferenceLoss:
   beta: float = 0.1
   label_smoothing: float = 0.0
   gamma: float = 0.5
+  nll_coef: float = 0.0
 
   @property
   def uses_ref(self) -> bool:
@@ -92,8 +93,11 @@ class PreferenceLoss:
       refs: ``(ref_c, ref_r)``, the reference's summed log-probabilities (ignored by SimPO).
     """
     pc, pr, lc, lr = logps
-    return preference.pair_losses(self.loss, pc, pr, *refs, lc, lr, beta=self.beta,
-                                  label_smoothing=self.label_smoothing, gamma=self.gamma)
+    losses, chosen, rejected = preference.pair_losses(self.loss, pc, pr, *refs, lc, lr, beta=self.beta,
+                                                      label_smoothing=self.label_smoothing, gamma=self.gamma)
+    if self.nll_coef:  # RPO (Pang et al. 2024, arXiv:2404.19733): + coef * per-token NLL of the chosen response
+      losses = losses - self.nll_coef * pc / jnp.maximum(lc, 1.0)
+    return losses, chosen, rejected
 
   def preferred(self, logps: tuple) -> tuple[jax.Array, jax.Array]:
     """What the preferred-answer rate compares: summed log-probabilities, length-normalised for SimPO."""
@@ -178,7 +182,7 @@ class PreferenceOptimizationJob(Job):
   def build(self) -> None:
     c = self.config
     dc = self.settings.dpo
-    self.spec = PreferenceLoss(dc.loss, dc.beta, dc.label_smoothing, dc.simpo_gamma)
+    self.spec = PreferenceLoss(dc.loss, dc.beta, dc.label_smoothing, dc.simpo_gamma, dc.nll_coef)
     self.model_config = builders.build_model_config(c, self.tokenizer)
     self.task, self.long_prompts = check_prompts(self, c.rl.max_new_tokens)  # evaluation samples rl.max_new_tokens
     self.data = build_preference_data(c.reward_model, self.task, c.seed, c.task.eval_size)
