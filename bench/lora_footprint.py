@@ -47,7 +47,7 @@ def footprint(fields: dict, rank: int) -> dict:
   params = jax.eval_shape(lambda k: models.init_params(base, k), key)
   params_lora = jax.eval_shape(lambda k: models.init_params(with_lora, k), key)
   full_opt = optim.make_optimizer(1e-4)
-  lora_opt = optim.train_only(optim.make_optimizer(1e-4), lora.trainable_mask)
+  lora_opt = optim.train_only(optim.make_optimizer(1e-4))
   return {"params_bytes": tree_bytes(params),
           "full_opt_state_bytes": tree_bytes(jax.eval_shape(full_opt.init, params)),
           "lora_opt_state_bytes": tree_bytes(jax.eval_shape(lora_opt.init, params_lora)),

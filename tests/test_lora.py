@@ -66,8 +66,8 @@ def test_fresh_adapters_change_nothing_and_merge_matches_unmerged():
   merged = lora.merge(trained, LORA)
   assert not lora.has_adapters(merged) and jax.tree.structure(merged) == jax.tree.structure(base)
   np.testing.assert_allclose(models.sequence_logprobs(merged, BASE, TOKENS, MASK), unmerged, atol=2e-5)
-  # split / with_adapters round trip
-  back = lora.with_adapters(*lora.split_adapters(trained))
+  # without_adapters + adapters_only -> with_adapters round trip
+  back = lora.with_adapters(lora.without_adapters(trained), lora.adapters_only(trained))
   assert jax.tree.structure(back) == jax.tree.structure(trained)
 
 
@@ -118,7 +118,7 @@ def test_adapter_gradients_equal_the_full_gradient_restricted_to_the_adapters():
 
 def test_sft_step_trains_only_adapters_and_the_optimizer_holds_only_theirs():
   params = models.init_params(LORA, jax.random.PRNGKey(0))
-  opt = optim.train_only(optim.make_optimizer(1e-2), lora.trainable_mask)
+  opt = optim.train_only(optim.make_optimizer(1e-2))
   state = create_train_state(params, opt, 0)
   opt_floats = sum(int(x.size) for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating))
   adapter_floats = sum(int(x.size) for x in jax.tree.leaves(lora.adapters_only(params)))
@@ -135,7 +135,7 @@ def test_sft_step_trains_only_adapters_and_the_optimizer_holds_only_theirs():
 def test_train_only_zeroes_frozen_updates_and_clips_on_trainable_leaves():
   params = {"layers_0": {"attn": {"q_proj": {"kernel": jnp.ones((2, 2)), "lora_a": jnp.ones((2, 1)),
                                              "lora_b": jnp.zeros((1, 2))}}}}
-  opt = optim.train_only(optax.sgd(1.0), lora.trainable_mask)
+  opt = optim.train_only(optax.sgd(1.0))
   grads = jax.tree.map(lambda x: jnp.full_like(x, 3.0), params)
   updates, _ = opt.update(grads, opt.init(params), params)
   q = updates["layers_0"]["attn"]["q_proj"]

@@ -55,10 +55,12 @@ from jaxrl_llm import bridge, configuration
 from jaxrl_llm.bridge import peft_export
 from jaxrl_llm.diagnostics import wandb_sink, writers
 from jaxrl_llm.jobs import resume
+from jaxrl_llm.jobs.evaluation import PolicyEvaluator
 from jaxrl_llm.jobs.resume import NonFiniteError
 from jaxrl_llm.learner import builders, checkpoint, mesh as mesh_lib, multihost, sft
 from jaxrl_llm.models import lora
 from jaxrl_llm.reward_model.encoding import encode_prompt
+from jaxrl_llm.sampling import JaxSampler, SamplerConfig
 from jaxrl_llm.tasks import get_task
 
 __all__ = ["Hook", "Job", "NonFiniteError", "Progress", "place_on_mesh"]
@@ -353,6 +355,45 @@ class Job(abc.ABC):
   def headline(self, summary: dict) -> str:
     """The one-line result printed at the end."""
     return "done"
+
+
+class PolicyJob(Job):
+  """A job that trains a policy: its run state keeps the policy's TrainState in ``state.train``
+  (next to whatever else the job holds: a reference, objective state), and it evaluates the policy
+  on held-out problems with the in-process JAX sampler (RLJob, PreferenceOptimizationJob)."""
+
+  @property
+  def train_state(self) -> Any:
+    return self.state.train
+
+  def set_train_state(self, train: Any) -> None:
+    self.state = self.state.replace(train=train)
+
+  @property
+  def params(self) -> Any:
+    return self.state.train.params
+
+  def make_sampler_config(self, num_samples: int) -> SamplerConfig:
+    """The run's sampling settings (``rl.*``) with ``num_samples`` responses per prompt."""
+    c = self.config
+    return SamplerConfig(max_new_tokens=c.rl.max_new_tokens, temperature=c.rl.temperature, top_k=c.rl.top_k,
+                         top_p=c.rl.top_p, num_samples=num_samples, seed=c.seed,
+                         max_length=c.model.max_position_embeddings if not c.init.hf_checkpoint else None)
+
+  def start_local_sampler(self, sampler_config: SamplerConfig, rewards: Any) -> None:
+    """The in-process sampler at the current weights, and the held-out evaluator scoring with ``rewards``."""
+    c = self.config
+    self.sampler = JaxSampler(self.model_config, multihost.local_copy(self.params), sampler_config)
+    self.publish_local()
+    self.evaluator = PolicyEvaluator(self.sampler, rewards, self.encode_prompt, self.decode_response, seed=c.seed,
+                                     pass_k=c.eval.pass_k)
+
+  def publish_local(self) -> None:
+    """Brings the in-process sampler (evaluation, synchronous sampling) to the current weights."""
+    version = int(self.state.train.policy_version)
+    if self.sampler.policy_version != version:
+      # one local device holds a whole copy (same bits on any mesh / process count)
+      self.sampler.update_weights(multihost.local_copy(self.params), version)
 
 
 def place_on_mesh(tree: Any, mesh: Any) -> Any:

@@ -39,18 +39,16 @@ from flax import struct
 
 from jaxrl_llm import models, reduce
 from jaxrl_llm.diagnostics import writers
-from jaxrl_llm.jobs.base import Job, place_on_mesh
-from jaxrl_llm.jobs.evaluation import PolicyEvaluator
+from jaxrl_llm.jobs.base import PolicyJob, place_on_mesh
 from jaxrl_llm.jobs.hooks import EvaluationHook
 from jaxrl_llm.jobs.prompt_check import check_prompts
 from jaxrl_llm.jobs.score import reward_runner
-from jaxrl_llm.learner import builders, multihost, optim, update
+from jaxrl_llm.learner import builders, optim, update
 from jaxrl_llm.learner.state import TrainState, create_train_state
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.objectives import preference
 from jaxrl_llm.reward_model.encoding import PairEncoder, PairStream, PreferenceBatch, held_out_batches
 from jaxrl_llm.reward_model.preferences import build_preference_data
-from jaxrl_llm.sampling import JaxSampler, SamplerConfig
 from jaxrl_llm.tasks import build_eval_set
 
 __all__ = ["PreferenceLoss", "PreferenceOptimizationJob", "PreferenceState", "make_preference_step",
@@ -173,7 +171,7 @@ def make_preference_step(config: ModelConfig, optimizer: Any, spec: PreferenceLo
   return step
 
 
-class PreferenceOptimizationJob(Job):
+class PreferenceOptimizationJob(PolicyJob):
   """A configured DPO / IPO / SimPO run. ``PreferenceOptimizationJob(config).train()`` does everything."""
 
   main_phase = "dpo"
@@ -215,24 +213,7 @@ class PreferenceOptimizationJob(Job):
     return state
 
   def after_restore(self) -> None:
-    c = self.config
-    sampler_config = SamplerConfig(max_new_tokens=c.rl.max_new_tokens, temperature=c.rl.temperature, top_k=c.rl.top_k,
-                                   top_p=c.rl.top_p, num_samples=1, seed=c.seed,
-                                   max_length=c.model.max_position_embeddings if not c.init.hf_checkpoint else None)
-    self.sampler = JaxSampler(self.model_config, multihost.local_copy(self.params), sampler_config)
-    self.evaluator = PolicyEvaluator(self.sampler, self.rewards, self.encode_prompt, self.decode_response,
-                                     seed=c.seed, pass_k=c.eval.pass_k)
-
-  @property
-  def train_state(self) -> Any:
-    return self.state.train
-
-  def set_train_state(self, train: Any) -> None:
-    self.state = self.state.replace(train=train)
-
-  @property
-  def params(self) -> Any:
-    return self.state.train.params
+    self.start_local_sampler(self.make_sampler_config(1), self.rewards)
 
   def main_steps(self) -> int:
     return self.config.dpo.steps
@@ -248,8 +229,7 @@ class PreferenceOptimizationJob(Job):
     t0 = time.perf_counter()
     self.state, m = self.dpo_step(self.state, self.next_batch())
     self.track_nonfinite(m)
-    return dict(m, **{"time/step_s": time.perf_counter() - t0, "data/pairs_seen": float(self.pairs.seen),
-                      "data/skipped_too_long": float(self.pairs.skipped_too_long)})
+    return dict(m, **self.pairs.metrics(), **{"time/step_s": time.perf_counter() - t0})
 
   def _held_out_metrics(self, logps: tuple, refs: tuple) -> tuple[dict, tuple]:
     """Loss, implicit-reward metrics and preferred-answer rate of the concatenated held-out pairs,
@@ -282,12 +262,6 @@ class PreferenceOptimizationJob(Job):
     self.publish_local()
     out.update(self.evaluator(self.eval_set.examples, self.progress.sft_step + self.progress.step))
     return out
-
-  def publish_local(self) -> None:
-    """Brings the evaluation sampler to the current weights."""
-    version = int(self.state.train.policy_version)
-    if self.sampler.policy_version != version:
-      self.sampler.update_weights(multihost.local_copy(self.params), version)
 
   # ------------------------------------------------------------------ phases and outputs
 

@@ -104,8 +104,7 @@ class RewardModelJob(Job):
     t0 = time.perf_counter()
     self.state, m = self.rm_step(self.state, self.next_batch())
     self.track_nonfinite(m)
-    return dict(m, **{"time/step_s": time.perf_counter() - t0, "data/pairs_seen": float(self.pairs.seen),
-                      "data/skipped_too_long": float(self.pairs.skipped_too_long)})
+    return dict(m, **self.pairs.metrics(), **{"time/step_s": time.perf_counter() - t0})
 
   def evaluate(self) -> dict[str, float]:
     """Held-out pairwise accuracy, mean margin, loss and chosen / rejected score means (and per kind)."""

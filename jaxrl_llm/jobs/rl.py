@@ -31,19 +31,17 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.diagnostics import control, guard as guard_lib, offpolicy, writers
 from jaxrl_llm.jobs import hooks as H
 from jaxrl_llm.jobs.advantages import AdvantageInputs, AdvantageSpec, compute_advantages, gae_advantages
-from jaxrl_llm.jobs.base import Job, place_on_mesh
+from jaxrl_llm.jobs.base import PolicyJob, place_on_mesh
 from jaxrl_llm.jobs.collect import SourceFactory
 from jaxrl_llm.jobs.demonstrations import DemonstrationStream, mix_demonstrations
 from jaxrl_llm.jobs.stale_check import StaleConsistencyCheck
-from jaxrl_llm.jobs.evaluation import PolicyEvaluator
 from jaxrl_llm.jobs.prompt_check import check_prompts
 from jaxrl_llm.jobs.score import RewardStage, reward_runner, training_rewards
 from jaxrl_llm.jobs.update import PolicyUpdate, RunState
-from jaxrl_llm.learner import builders, mesh as mesh_lib, multihost, optim, rl_step, update
+from jaxrl_llm.learner import builders, mesh as mesh_lib, optim, rl_step, update
 from jaxrl_llm.learner.state import create_train_state
 from jaxrl_llm.rollout import sources
 from jaxrl_llm.rollout.lagged import ParamsWindow
-from jaxrl_llm.sampling import JaxSampler, SamplerConfig
 from jaxrl_llm.tasks import PromptSource, build_eval_set, curation
 
 __all__ = ["RLJob", "StateSlot"]
@@ -58,7 +56,7 @@ class StateSlot:
     self.get_state, self.set_state = get_state, set_state
 
 
-class RLJob(Job):
+class RLJob(PolicyJob):
   """A configured RL run. ``RLJob(config).train()`` does everything; the stages are public."""
 
   main_phase = "rl"
@@ -86,10 +84,7 @@ class RLJob(Job):
     self.uses_ref = builders.needs_reference_policy(c)
     self.kl_coef_base = builders.objective_kl_coef(c)
     self.eval_set = build_eval_set(self.task, c.task.eval_size, seed=c.seed)
-    self.sampler_config = SamplerConfig(
-        max_new_tokens=c.rl.max_new_tokens, temperature=c.rl.temperature, top_k=c.rl.top_k, top_p=c.rl.top_p,
-        num_samples=c.rl.samples_per_prompt, seed=c.seed,
-        max_length=c.model.max_position_embeddings if not c.init.hf_checkpoint else None)
+    self.sampler_config = self.make_sampler_config(c.rl.samples_per_prompt)
     self.state = self.initial_state()
     self.sft_step = self.make_sft_step(builders.build_sft_optimizer(c), self.grad_atoms)
     self._build_stages()
@@ -219,10 +214,7 @@ class RLJob(Job):
   def after_restore(self) -> None:
     if self.controller is not None:
       self.state = H.apply_control(self.state, self.controller, self.kl_coef_base)
-    self.sampler = JaxSampler(self.model_config, multihost.local_copy(self.state.train.params), self.sampler_config)
-    self.publish_local()
-    self.evaluator = PolicyEvaluator(self.sampler, self.eval_rewards, self.encode_prompt, self.decode_response,
-                                     seed=self.config.seed, pass_k=self.config.eval.pass_k)
+    self.start_local_sampler(self.sampler_config, self.eval_rewards)
 
   def _flush_alerts(self) -> None:
     for line in self.alerts.flush(self.progress.step):
@@ -365,24 +357,6 @@ class RLJob(Job):
     return self.alerts.metrics()
 
   # ------------------------------------------------------------------ policy access
-
-  @property
-  def train_state(self) -> Any:
-    return self.state.train
-
-  def set_train_state(self, train: Any) -> None:
-    self.state = self.state.replace(train=train)
-
-  @property
-  def params(self) -> Any:
-    return self.state.train.params
-
-  def publish_local(self) -> None:
-    """Brings the in-process sampler (evaluation, synchronous sampling) to the current weights."""
-    version = int(self.state.train.policy_version)
-    if self.sampler.policy_version != version:
-      # one local device holds a whole copy (same bits on any mesh / process count)
-      self.sampler.update_weights(multihost.local_copy(self.state.train.params), version)
 
   def greedy(self, examples) -> tuple[Any, list[str]]:
     """The current policy's greedy answers: ``(Trajectory, texts)`` (reward-model baselines)."""

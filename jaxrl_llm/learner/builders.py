@@ -431,7 +431,7 @@ def _entry_errors(where: str, name: str, kwargs: dict, behaviour: bool, stale: b
 def for_trainable(config: ml_collections.ConfigDict, optimizer: optax.GradientTransformation
                   ) -> optax.GradientTransformation:
   """``optimizer`` over the trainable leaves only when ``model.lora.rank`` > 0 (adapters and scalar heads)."""
-  return optim.train_only(optimizer, lora.trainable_mask) if config.model.lora.rank else optimizer
+  return optim.train_only(optimizer) if config.model.lora.rank else optimizer
 
 
 def build_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:

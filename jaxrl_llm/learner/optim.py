@@ -8,11 +8,9 @@ recompiling anything.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import jax
-import jax.numpy as jnp
 import optax
+
+from jaxrl_llm.learner.update import TrainablePart
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -92,29 +90,23 @@ def set_lr_scale(opt_state, value: float):
   return tuple(new)
 
 
-def train_only(inner: optax.GradientTransformation, trainable: Callable[[Any], Any]) -> optax.GradientTransformation:
-  """``inner`` applied to the leaves ``trainable(params)`` marks True; the others get zero updates.
+def train_only(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``inner`` applied to the trainable leaves of a LoRA tree (adapters and scalar heads); the others get zero updates.
 
-  The state is ``inner``'s state over the list of trainable leaves only (with LoRA,
-  :func:`jaxrl_llm.models.lora.trainable_mask`: the adapters and scalar heads), so
-  optimizer memory is the adapters' size, and :func:`set_lr_scale` reads it as
-  before. Gradient clipping and weight decay see the trainable leaves alone.
+  The state is ``inner``'s state over the list of trainable leaves only
+  (:class:`jaxrl_llm.learner.update.TrainablePart`), so optimizer memory is the adapters'
+  size, and :func:`set_lr_scale` reads it as before. Gradient clipping and weight decay
+  see the trainable leaves alone.
 
   Args:
     inner: the optimizer of the trainable leaves (e.g. :func:`make_optimizer`).
-    trainable: params -> bool pytree of the same structure.
   """
-  def select(tree: Any, mask: list) -> list:
-    return [x for x, m in zip(jax.tree.leaves(tree), mask) if m]
-
   def init(params):
-    return inner.init(select(params, jax.tree.leaves(trainable(params))))
+    return inner.init(TrainablePart(params).train)
 
   def update(updates, state, params=None):
-    mask = jax.tree.leaves(trainable(updates))
-    leaves, treedef = jax.tree.flatten(updates)
-    chosen, state = inner.update(select(updates, mask), state, None if params is None else select(params, mask))
-    it = iter(chosen)
-    return jax.tree.unflatten(treedef, [next(it) if m else jnp.zeros_like(x) for x, m in zip(leaves, mask)]), state
+    part = TrainablePart(updates)
+    chosen, state = inner.update(part.train, state, None if params is None else TrainablePart(params).train)
+    return part.expand(chosen), state
 
   return optax.GradientTransformation(init, update)

@@ -105,7 +105,6 @@ def accumulate(loss_fn: Callable[..., tuple[jax.Array, Any]], params: Any, batch
     batch: pytree of [B, ...] arrays.
     micro_batches: m (divides B).
     *args: passed unchanged (global normalisers, frozen reference params, ...).
-
     adapters_only: differentiate only the LoRA adapters and scalar heads
       (:class:`TrainablePart`); the frozen leaves' gradients are zeros.
 

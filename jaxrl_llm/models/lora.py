@@ -32,7 +32,7 @@ from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.layers import LORA_A_INIT
 
 __all__ = ["ADAPTER_LEAVES", "HEADS", "add_adapters", "adapter_bytes", "adapter_paths", "adapters_only", "has_adapters",
-           "merge", "merged_leaf", "split_adapters", "trainable_mask", "with_adapters",
+           "merge", "merged_leaf", "trainable_mask", "with_adapters",
            "without_adapters"]
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
@@ -82,13 +82,8 @@ def params_at(params: Params, path: tuple[str, ...]) -> dict:
   return node
 
 
-def split_adapters(params: Params) -> tuple[Params, Params]:
-  """``(base, adapters)``: ``params`` without its adapter leaves, and :func:`adapters_only`."""
-  return without_adapters(params), adapters_only(params)
-
-
 def with_adapters(base: Params, adapters: Params) -> Params:
-  """Inverse of :func:`split_adapters`: ``base`` with the adapter leaves of ``adapters`` put back."""
+  """``base`` (:func:`without_adapters`) with the leaves of ``adapters`` (:func:`adapters_only`) put back."""
   out = _copy_dicts(base)
   for joined, leaves in adapters.items():
     holder = params_at(out, tuple(joined.split("/")))

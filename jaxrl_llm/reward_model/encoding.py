@@ -204,6 +204,10 @@ class PairStream:
     for k, v in state.items():
       setattr(self, k, v)
 
+  def metrics(self) -> dict[str, float]:
+    """``data/pairs_seen`` and ``data/skipped_too_long`` (logged with every step)."""
+    return {"data/pairs_seen": float(self.seen), "data/skipped_too_long": float(self.skipped_too_long)}
+
   def next_batch(self, data: PreferenceData, encoder: PairEncoder, size: int, pad_id: int,
                  margin_of: Callable[[PreferencePair], float]) -> PreferenceBatch:
     """The next ``size`` training pairs of ``data`` that fit the context (skips counted).
