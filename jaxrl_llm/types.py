@@ -25,7 +25,15 @@ class Trajectory:
     tokens_bt: int32 [B, T] prompt followed by response, right-padded with pad id.
     prompt_mask_bt: bool [B, T] True on prompt tokens.
     response_mask_bt: bool [B, T] True on sampled response tokens, including the
-      stop (EOS) token when one was sampled. Padding is False.
+      stop (EOS) token when one was sampled. Padding is False. This is the loss
+      mask: only these tokens are trained on.
+    observation_mask_bt: bool [B, T] True on tokens an environment or tool wrote
+      between the model's turns (multi-turn episodes, :mod:`jaxrl_llm.envs`).
+      They are context (attended to, like the prompt) but carry no behaviour
+      log-probability, no policy version and no loss. All False for
+      single-turn rows. A multi-turn row reads: prompt, model turn,
+      observation, model turn, ..., pad; response and observation tokens form
+      one contiguous run right after the prompt.
     behaviour_logp_bt: float32 [B, T] log mu(token_t | prefix) of the sampled token
       under the sampler's processed distribution (temperature, top-k/top-p),
       recorded at sampling time; 0 outside the response.
@@ -40,6 +48,7 @@ class Trajectory:
   tokens_bt: Array
   prompt_mask_bt: Array
   response_mask_bt: Array
+  observation_mask_bt: Array
   behaviour_logp_bt: Array
   policy_version_bt: Array
   group_id_b: Array
@@ -49,6 +58,12 @@ class Trajectory:
   @property
   def batch_size(self) -> int:
     return int(self.tokens_bt.shape[0])
+
+  @property
+  def sequence_mask_bt(self) -> Array:
+    """bool [B, T]: every real token (prompt, response, observation), i.e. what the model attends to."""
+    xp = np if isinstance(self.prompt_mask_bt, np.ndarray) else jax.numpy
+    return xp.asarray(self.prompt_mask_bt) | xp.asarray(self.response_mask_bt) | xp.asarray(self.observation_mask_bt)
 
   def trimmed(self, multiple: int = 8) -> "Trajectory":
     """Drops trailing columns that are padding in every row (host-side, numpy).
@@ -69,7 +84,7 @@ class Trajectory:
     """
     if multiple < 1:
       raise ValueError(f"Trajectory.trimmed: multiple={multiple!r}: expected >= 1")
-    used = np.asarray(self.prompt_mask_bt) | np.asarray(self.response_mask_bt)
+    used = np.asarray(self.sequence_mask_bt)
     columns = np.flatnonzero(used.any(axis=0))
     last = int(columns[-1]) + 1 if columns.size else 1
     width = min(int(used.shape[1]), -(-last // multiple) * multiple)
@@ -78,6 +93,7 @@ class Trajectory:
     cut = lambda a: np.asarray(a)[:, :width]
     return self.replace(tokens_bt=cut(self.tokens_bt), prompt_mask_bt=cut(self.prompt_mask_bt),
                         response_mask_bt=cut(self.response_mask_bt),
+                        observation_mask_bt=cut(self.observation_mask_bt),
                         behaviour_logp_bt=cut(self.behaviour_logp_bt),
                         policy_version_bt=cut(self.policy_version_bt))
 
@@ -88,8 +104,8 @@ class Trajectory:
     return jax.tree.map(lambda a: np.asarray(a)[rows], self)
 
 
-_BT_FILL = {"tokens_bt": None, "prompt_mask_bt": False, "response_mask_bt": False, "behaviour_logp_bt": 0.0,
-            "policy_version_bt": -1}
+_BT_FILL = {"tokens_bt": None, "prompt_mask_bt": False, "response_mask_bt": False, "observation_mask_bt": False,
+            "behaviour_logp_bt": 0.0, "policy_version_bt": -1}
 
 
 def concat_trajectories(trajectories, pad_id: int) -> Trajectory:
@@ -121,7 +137,8 @@ def concat_trajectories(trajectories, pad_id: int) -> Trajectory:
     offset = (groups[-1].max() + 1) if g.size else offset
   return Trajectory(
       tokens_bt=stack("tokens_bt").astype(np.int32), prompt_mask_bt=stack("prompt_mask_bt"),
-      response_mask_bt=stack("response_mask_bt"), behaviour_logp_bt=stack("behaviour_logp_bt").astype(np.float32),
+      response_mask_bt=stack("response_mask_bt"), observation_mask_bt=stack("observation_mask_bt"),
+      behaviour_logp_bt=stack("behaviour_logp_bt").astype(np.float32),
       policy_version_bt=stack("policy_version_bt").astype(np.int32),
       group_id_b=np.concatenate(groups).astype(np.int32),
       rewards_b=np.concatenate([np.asarray(t.rewards_b) for t in trajectories]).astype(np.float32),

@@ -114,7 +114,7 @@ def build_tiny_checkpoint(folder: str, seed: int) -> str:
 def _learner_logp(params, model_config, result, temperature):
   from jaxrl_llm import models  # pylint: disable=import-outside-toplevel
   traj = result.trajectory
-  mask = np.asarray(traj.prompt_mask_bt) | np.asarray(traj.response_mask_bt)
+  mask = np.asarray(traj.sequence_mask_bt)
   return np.asarray(models.sequence_logprobs(params, model_config, traj.tokens_bt, mask, temperature))
 
 
@@ -135,7 +135,7 @@ def rl_update(params, model_config, result, temperature, num_samples, lr, seed):
   adv = A.sequence_to_tokens(A.grpo_advantages(rewards, num_samples).advantages_b, response)
   zeros = jnp.zeros(response.shape, jnp.float32)
   batch = rl_step.RLBatch(tokens_bt=jnp.asarray(traj.tokens_bt),
-                          seq_mask_bt=jnp.asarray(traj.prompt_mask_bt) | response, response_mask_bt=response,
+                          seq_mask_bt=jnp.asarray(traj.sequence_mask_bt), response_mask_bt=response,
                           behaviour_logp_bt=jnp.asarray(traj.behaviour_logp_bt), advantages_bt=adv,
                           ref_logp_bt=zeros, lag_bt=jnp.zeros(response.shape, jnp.int32), old_values_bt=zeros,
                           returns_bt=zeros)

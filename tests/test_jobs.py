@@ -30,7 +30,7 @@ def _trajectory(rows, width=6, prompt=2, versions=None):
   prompt_mask = np.zeros((rows, width), bool)
   prompt_mask[:, :prompt] = True
   response = ~prompt_mask
-  return Trajectory(tokens_bt=tokens, prompt_mask_bt=prompt_mask, response_mask_bt=response,
+  return Trajectory(tokens_bt=tokens, prompt_mask_bt=prompt_mask, response_mask_bt=response, observation_mask_bt=np.zeros_like(response),
                     behaviour_logp_bt=np.where(response, -0.5, 0.0).astype(np.float32),
                     policy_version_bt=np.full((rows, width), 3 if versions is None else versions, np.int32),
                     group_id_b=np.repeat(np.arange(rows // 2), 2).astype(np.int32), rewards_b=np.zeros(rows, np.float32),

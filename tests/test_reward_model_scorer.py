@@ -54,7 +54,7 @@ def trajectory(tok, prompts, responses, finished, width=16):
   pm, rm = np.zeros((b, width), bool), np.zeros((b, width), bool)
   for i, (row, p, r) in enumerate(zip(rows, pmask, rmask)):
     tokens[i, :len(row)], pm[i, :len(row)], rm[i, :len(row)] = row, p, r
-  return Trajectory(tokens_bt=tokens, prompt_mask_bt=pm, response_mask_bt=rm, behaviour_logp_bt=np.zeros((b, width),
+  return Trajectory(tokens_bt=tokens, prompt_mask_bt=pm, response_mask_bt=rm, observation_mask_bt=np.zeros_like(rm), behaviour_logp_bt=np.zeros((b, width),
                     np.float32), policy_version_bt=np.zeros((b, width), np.int32), group_id_b=np.arange(b),
                     rewards_b=np.zeros(b, np.float32), finished_b=np.asarray(finished))
 

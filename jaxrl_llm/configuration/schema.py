@@ -26,6 +26,7 @@ from jaxrl_llm.configuration.operations import (CheckpointSettings, DataSettings
                                                 EvalSettings, ExportSettings, LogSettings,
                                                 PreferenceOptimizationSettings, RewardModelSettings,
                                                 RewardSettings, RolloutSettings, SamplerSettings, VllmSettings)
+from jaxrl_llm.configuration.environment import EnvSettings
 from jaxrl_llm.configuration.training import (AdvantageSettings, CriticSettings, InitSettings, LearnerSettings,
                                               LoraSettings, ModelSettings, ObjectiveSettings, OptimizerSettings,
                                               RLSettings, RunSettings, SftSettings, TaskSettings)
@@ -62,6 +63,7 @@ class Settings:
   sampler: SamplerSettings = _section("sampler")
   vllm: VllmSettings = _section("sampler.vllm")
   rollout: RolloutSettings = _section("rollout")
+  env: EnvSettings = _section("env")
   data: DataSettings = _section("data")
   curation: CurationConfig = _section("data")
   diagnostics: DiagnosticsSettings = _section("diagnostics")

@@ -34,7 +34,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not errors:
     errors = (construction_errors(config) + objective_errors(config) + correction_errors(config)
               + cross_field_errors(config) + placement_errors(config) + mixing_errors(config)
-              + reward_plugins.check_components(config.reward.functions) + sink_errors(config))
+              + reward_plugins.check_components(config.reward.functions) + sink_errors(config)
+              + env_errors(config))
   if errors:
     raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
   return config
@@ -88,6 +89,27 @@ def construction_errors(config: ml_collections.ConfigDict) -> list[str]:
       text, prefix = str(e), field_path(part.section, "") if part.section else ""
       errors.append(text if prefix and text.startswith(prefix) else f"{part.section or 'config'}: {text}")
   return list(dict.fromkeys(errors))
+
+
+def env_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """``env.*`` against the rest: a loadable environment, synchronous rollouts, room for a turn."""
+  c, errors = config, []
+  if not c.env.name:
+    return errors
+  from jaxrl_llm.envs.base import load_environment_factory  # pylint: disable=import-outside-toplevel
+  try:
+    load_environment_factory(c.env.name)
+  except Exception as e:  # the loader names env.name and what was expected
+    errors.append(str(e))
+  if c.rollout.mode == "pipeline" and c.rollout.exact_versions:
+    errors.append(f"env.name={c.env.name!r} with rollout.exact_versions=True: expected False (an episode's "
+                  "turns take the weights that arrive between them)")
+  if c.data.dynamic_sampling:
+    errors.append(f"env.name={c.env.name!r} with data.dynamic_sampling=True: expected False")
+  if c.critic.enabled:
+    errors.append(f"env.name={c.env.name!r} with critic.enabled=True: expected a group estimator "
+                  "(no value targets for observation tokens)")
+  return errors
 
 
 def sink_errors(config: ml_collections.ConfigDict) -> list[str]:

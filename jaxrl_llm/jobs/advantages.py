@@ -149,7 +149,7 @@ def compute_advantages(spec: AdvantageSpec, inputs: AdvantageInputs) -> Advantag
   traj, rewards = inputs.trajectory, inputs.rewards_b
   tokens = jnp.asarray(traj.tokens_bt)
   response = jnp.asarray(traj.response_mask_bt)
-  seq = jnp.asarray(traj.prompt_mask_bt) | response
+  seq = jnp.asarray(traj.sequence_mask_bt)
   behaviour = jnp.asarray(traj.behaviour_logp_bt)
   zeros = jnp.zeros(tokens.shape, jnp.float32)
   old_values, returns, rewards_bt, kl_coef = zeros, zeros, None, None

@@ -244,6 +244,15 @@ class Job(abc.ABC):
     known = self.tokenizer.vocab_size
     return self.tokenizer.decode([i for i in ids if 0 <= int(i) < known], skip_special_tokens=True)
 
+  def encode_segments(self, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """A demonstration's ``[(text, trained)]`` pieces -> ``(ids, context_only flags)``."""
+    ids, flags = [], []
+    for text, trained in segments:
+      piece = self.tokenizer.encode(text, add_special_tokens=False)
+      ids += piece
+      flags += [not trained] * len(piece)
+    return ids, flags
+
   def make_sft_step(self, optimizer: Any, grad_atoms: int = 0) -> Callable:
     """The jitted supervised step of this job's model (``learner.micro_batches``)."""
     return sft.make_sft_step(self.model_config, optimizer, self.config.learner.micro_batches,
@@ -257,9 +266,10 @@ class Job(abc.ABC):
       stream.set_state(self.progress.sft_stream)
     while self.progress.sft_step < c.sft.steps:
       examples = [next(stream) for _ in range(c.sft.batch_size)]
-      batch = sft.collate([self.encode_prompt(e.prompt) for e in examples],
-                          [self.tokenizer.encode(self.task.sft_target(e), add_special_tokens=False) for e in examples],
-                          self.tokenizer.eos_id, self.tokenizer.pad_id, self.model_config.max_position_embeddings)
+      targets = [self.encode_segments(self.task.sft_segments(e)) for e in examples]
+      batch = sft.collate([self.encode_prompt(e.prompt) for e in examples], [ids for ids, _ in targets],
+                          self.tokenizer.eos_id, self.tokenizer.pad_id, self.model_config.max_position_embeddings,
+                          context_only=[flags for _, flags in targets])
       train, m = step_fn(self.train_state, batch)
       self.set_train_state(train)
       self.progress.sft_step += 1
@@ -385,8 +395,12 @@ class PolicyJob(Job):
     c = self.config
     self.sampler = JaxSampler(self.model_config, multihost.local_copy(self.params), sampler_config)
     self.publish_local()
-    self.evaluator = PolicyEvaluator(self.sampler, rewards, self.encode_prompt, self.decode_response, seed=c.seed,
-                                     pass_k=c.eval.pass_k)
+    self.evaluator = self.make_evaluator(rewards)
+
+  def make_evaluator(self, rewards: Any) -> PolicyEvaluator:
+    """The held-out evaluator of the in-process sampler, scoring with ``rewards``."""
+    return PolicyEvaluator(self.sampler, rewards, self.encode_prompt, self.decode_response, seed=self.config.seed,
+                           pass_k=self.config.eval.pass_k)
 
   def publish_local(self) -> None:
     """Brings the in-process sampler (evaluation, synchronous sampling) to the current weights."""

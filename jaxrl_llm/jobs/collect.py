@@ -55,11 +55,15 @@ class SourceFactory:
     score: the reward stage (dynamic sampling scores its rounds itself).
     versions: the window of recent parameter versions (simulated lag).
     run_dir: the run folder (a vLLM pool's initial HF export goes there).
+    episodes: the multi-turn episode runner (``config.env``), or None for single-turn rows.
+    episode_builder: a picklable ``() -> EpisodeRunner`` for the pipeline's sampler actors.
   """
 
   def __init__(self, config: Any, *, model_config: Any, sampler_config: Any, tokenizer: Any, prompts: Any,
-               encode_prompt: Callable[[str], list[int]], score: Any, versions: ParamsWindow, run_dir: str):
+               encode_prompt: Callable[[str], list[int]], score: Any, versions: ParamsWindow, run_dir: str,
+               episodes: Any = None, episode_builder: Any = None):
     self.config = config
+    self.episodes, self.episode_builder = episodes, episode_builder
     self.model_config, self.sampler_config, self.tokenizer = model_config, sampler_config, tokenizer
     self.prompts, self.encode_prompt, self.score = prompts, encode_prompt, score
     self.versions = versions
@@ -88,6 +92,10 @@ class SourceFactory:
 
   def _synchronous(self, sampler: Any) -> sources.RolloutSource:
     c = self.config
+    if self.episodes is not None:
+      from jaxrl_llm.jobs.episodes import EpisodeSource  # pylint: disable=import-outside-toplevel
+      return EpisodeSource(sampler, self.prompts, self.episodes, c.seed, c.rl.samples_per_prompt,
+                           prepare=multihost.local_copy)
     if c.data.dynamic_sampling:
       return sources.DynamicSamplingSource(
           sampler, self.prompts, self.encode_prompt, c.seed, score=self.score, groups=c.rl.prompts_per_step,
@@ -104,11 +112,13 @@ class SourceFactory:
         segment_tokens=c.rollout.segment_tokens, address=c.rollout.address, actor_cpus=c.rollout.actor_cpus,
         export_dir=sources.hf_export_dir(self.run_dir),
         keep_versions=c.rollout.max_lag + 1 if c.rollout.exact_versions else 1, platform=c.sampler.platform,
-        engine=vllm_engine_config(c), local_gpus=c.rollout.local_gpus, actor_gpus=c.rollout.actor_gpus)
+        engine=vllm_engine_config(c), local_gpus=c.rollout.local_gpus, actor_gpus=c.rollout.actor_gpus,
+        episodes=self.episode_builder if self.episodes is not None else None)
     source = sources.PipelineSource(pool, self.prompts, self.encode_prompt, c.seed, start_step=step,
                                     base_version=version, group_size=c.rl.samples_per_prompt, max_lag=max_lag,
                                     chunks_per_step=c.rollout.chunks_per_step or c.rollout.num_samplers,
-                                    pad_id=self.model_config.pad_token_id, exact_versions=c.rollout.exact_versions)
+                                    pad_id=self.model_config.pad_token_id, exact_versions=c.rollout.exact_versions,
+                                    episodes=self.episodes is not None)
     if self.held is not None:  # resumed: the checkpoint's sampled, untrained chunks
       try:
         source.set_state(self.held)

@@ -101,7 +101,7 @@ def check(run: Any, num_prompts: int = 32, sampler: str = "jax", seed_offset: in
   """
   traj, seconds = sample_batch(run, num_prompts, sampler, seed_offset)
   tokens = np.asarray(traj.tokens_bt)
-  seq = np.asarray(traj.prompt_mask_bt) | np.asarray(traj.response_mask_bt)
+  seq = np.asarray(traj.sequence_mask_bt)
   logp = np.asarray(run.policy_logp(run.params, tokens, seq))
   mask = np.asarray(traj.response_mask_bt)
   stats = offpolicy.consistency_stats(logp, np.asarray(traj.behaviour_logp_bt), mask)

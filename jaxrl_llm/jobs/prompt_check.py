@@ -68,11 +68,12 @@ class _Rule:
   context: int
   new_tokens: Optional[int]  # None: the job does not sample (reward model)
   sft: bool  # reference answers are trained on
+  budget_field: str = "rl.max_new_tokens"  # the setting new_tokens comes from
 
   def problem(self, n_prompt: int, n_target: Optional[int]) -> str:
     """Why ``n_prompt`` prompt tokens (and ``n_target`` answer tokens, for a training row) do not fit; "" if they do."""
     if self.new_tokens is not None and n_prompt + self.new_tokens > self.context:
-      return (f"its prompt has {n_prompt} tokens; with rl.max_new_tokens={self.new_tokens} it needs "
+      return (f"its prompt has {n_prompt} tokens; with {self.budget_field}={self.new_tokens} it needs "
               f"{n_prompt + self.new_tokens} > {self.context} (model.max_position_embeddings)")
     if self.sft and n_target is not None and n_prompt + n_target + 1 > self.context:
       return (f"its prompt ({n_prompt} tokens) + reference answer ({n_target}) + EOS = {n_prompt + n_target + 1} "
@@ -88,12 +89,14 @@ class _Rule:
     return min(limits)
 
 
-def check_prompts(job: Any, new_tokens: Optional[int]) -> tuple[Any, dict[str, Any]]:
+def check_prompts(job: Any, new_tokens: Optional[int], budget_field: str = "rl.max_new_tokens"
+                  ) -> tuple[Any, dict[str, Any]]:
   """Checks the prompts of ``job.task`` against ``job.model_config``'s context; see the module docstring.
 
   Args:
     job: a job while it builds (``config``, ``task``, ``tokenizer``, ``model_config``, ``encode_prompt``).
     new_tokens: the sampler's new-token budget (``rl.max_new_tokens``); None for a job that does not sample.
+    budget_field: the setting ``new_tokens`` comes from (``env.max_tokens`` for multi-turn episodes).
 
   Returns:
     ``(task, report)``: the task to use (the same one, or a dataset task with rows skipped or
@@ -108,7 +111,7 @@ def check_prompts(job: Any, new_tokens: Optional[int]) -> tuple[Any, dict[str, A
   if action not in LONG_PROMPT_ACTIONS:
     raise ConfigError(f"data.long_prompts={action!r}: expected one of {LONG_PROMPT_ACTIONS}")
   sft = c.sft.steps > 0 or (new_tokens is not None and c.data.sft_mix == "task")
-  rule = _Rule(int(job.model_config.max_position_embeddings), new_tokens, sft)
+  rule = _Rule(int(job.model_config.max_position_embeddings), new_tokens, sft, budget_field)
   if new_tokens is None and not sft:  # nothing is sampled and no reference answer is trained on
     return job.task, LongPrompts(action=action, checked=0).as_dict()
   encode_target = lambda text: job.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
@@ -133,7 +136,7 @@ def _fail(found: list[tuple[str, str]], total: int, rule: _Rule, action: str, wh
            else f"{len(found)} of the {total} prompts checked (a sample of a generated task) {verb} not fit")
   fixes = "shorten them, raise model.max_position_embeddings"
   if rule.new_tokens is not None:
-    fixes += " or lower rl.max_new_tokens"
+    fixes += f" or lower {rule.budget_field}"
   if whole and action == "error":
     fixes += ", or set data.long_prompts='skip' (drop such rows) or 'truncate' (keep each prompt's last tokens)"
   raise ConfigError(f"{where}: {problem}. {count}{' (also: ' + others + ')' if others else ''}; {fixes}.{extra}")

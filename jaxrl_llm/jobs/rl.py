@@ -36,6 +36,7 @@ from jaxrl_llm.jobs.collect import SourceFactory
 from jaxrl_llm.jobs.demonstrations import DemonstrationStream, mix_demonstrations
 from jaxrl_llm.jobs.stale_check import StaleConsistencyCheck
 from jaxrl_llm.jobs.prompt_check import check_prompts
+from jaxrl_llm.jobs.episodes import EpisodeEvaluator, build_episode_runner, episode_runner_builder
 from jaxrl_llm.jobs.score import RewardStage, reward_runner, training_rewards
 from jaxrl_llm.jobs.update import PolicyUpdate, RunState
 from jaxrl_llm.learner import builders, mesh as mesh_lib, optim, rl_step, update
@@ -75,7 +76,9 @@ class RLJob(PolicyJob):
                         "expected rollout.mode='sync' (the Ray sampler pool is driven from one learner process; "
                         "for sampler actors, run the learner as one process)")
     self.model_config = builders.build_model_config(c, self.tokenizer)
-    self.task, self.long_prompts = check_prompts(self, c.rl.max_new_tokens)  # every row fits, or stop here
+    budget = ((c.env.max_tokens, "env.max_tokens") if c.env.name  # an episode's model and observation tokens
+              else (c.rl.max_new_tokens, "rl.max_new_tokens"))
+    self.task, self.long_prompts = check_prompts(self, *budget)  # every row fits, or stop here
     self.critic_config = self.model_config.replace(value_head=True) if c.critic.enabled else None
     self.optimizer = builders.build_optimizer(c, c.sft.steps + c.rl.steps * c.rl.updates_per_batch)
     critic_optimizer = optim.make_optimizer(c.critic.lr, max_grad_norm=c.optimizer.max_grad_norm)
@@ -163,9 +166,15 @@ class RLJob(PolicyJob):
         diagnostics=offpolicy.StepDiagnostics(self.thresholds, max_abs_advantage=c.diagnostics.max_abs_advantage),
         consistency_action=c.diagnostics.consistency_action, drift_every=c.diagnostics.drift_every,
         track_nonfinite=self.track_nonfinite, stale_check=stale_check)
+    self.episodes = episode_builder = None  # config.env: multi-turn episodes
+    if self.settings.env.enabled:
+      self.episodes = build_episode_runner(self.settings.env, self.task, self.tokenizer, self.encode_prompt)
+      episode_builder = episode_runner_builder(self.settings.env, self.task, self.tokenizer,
+                                               c.task.use_chat_template)
     self.sources = SourceFactory(c, model_config=self.model_config, sampler_config=self.sampler_config,
                                  tokenizer=self.tokenizer, prompts=self.prompts, encode_prompt=self.encode_prompt,
-                                 score=self.score, versions=self.versions, run_dir=self.run_dir)
+                                 score=self.score, versions=self.versions, run_dir=self.run_dir,
+                                 episodes=self.episodes, episode_builder=episode_builder)
     self.register_state("pipeline", self.sources)  # the pipeline's sampled, untrained work
     self.source: Any = None  # made when the RL phase starts (Ray actors only then)
     self.last_samples: Any = None  # (examples, response ids, rewards, finished) of the last batch, for RFT
@@ -189,6 +198,13 @@ class RLJob(PolicyJob):
       self.add_hook(self.guard_hook)
     self.add_hook(H.PolicyVersionHook())
     self.add_hook(H.EvaluationHook(c.eval.every, c.rl.steps))
+
+  def make_evaluator(self, rewards: Any) -> Any:
+    """Held-out evaluation by episodes when ``config.env`` is set (see ``jobs.episodes``)."""
+    if self.episodes is None:
+      return super().make_evaluator(rewards)
+    return EpisodeEvaluator(self.sampler, self.episodes, rewards, seed=self.config.seed,
+                            pass_k=self.config.eval.pass_k)
 
   def proximal_source(self) -> str:
     """Where the step's pi_k comes from (``objective.proximal``; see ``rl_step.PROXIMAL_SOURCES``):
@@ -300,7 +316,7 @@ class RLJob(PolicyJob):
     values = ref = None
     if self.advantage_spec.estimator == "gae":
       tokens = jnp.asarray(traj.tokens_bt)
-      seq = jnp.asarray(traj.prompt_mask_bt) | jnp.asarray(traj.response_mask_bt)
+      seq = jnp.asarray(traj.sequence_mask_bt)
       values = self.critic_values(self.state.train.critic_params, tokens, seq)
       if self.advantage_spec.kl_shaper is not None:
         ref = self.policy_logp(self.state.ref_params, tokens, seq)

@@ -37,7 +37,8 @@ def build_tokenizer(config: ml_collections.ConfigDict, task: task_base.Task) -> 
   folder = config.init.tokenizer or config.init.hf_checkpoint
   if folder:
     return bridge.Tokenizer.from_folder(folder)
-  return bridge.build_char_tokenizer(task.alphabet)
+  specials = bridge.tokenizer.DEFAULT_CHAR_SPECIALS + tuple(getattr(task, "special_tokens", ()))
+  return bridge.build_char_tokenizer(task.alphabet, specials)
 
 
 def build_model_config(config: ml_collections.ConfigDict, tokenizer: bridge.Tokenizer,

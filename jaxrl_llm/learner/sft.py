@@ -40,11 +40,16 @@ class SftBatch:
 
 
 def collate(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], eos_id: int,
-            pad_id: int, length: int, bucket: int = 16) -> SftBatch:
+            pad_id: int, length: int, bucket: int = 16,
+            context_only: Optional[Sequence[Sequence[bool]]] = None) -> SftBatch:
   """Builds a right-padded batch; the EOS appended to each target is trained.
 
   The padded length is the longest row rounded up to a multiple of ``bucket``
   (few distinct shapes, so few compilations), at most ``length``.
+
+  ``context_only[i][j]`` True marks target token j of row i as context that is
+  not trained: a multi-turn demonstration's environment observations
+  (:meth:`jaxrl_llm.tasks.Task.sft_segments`), which the policy reads but never writes.
 
   Raises:
     ValueError: naming the row when prompt + target + EOS exceeds ``length``.
@@ -63,6 +68,10 @@ def collate(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], 
                        f"exceeds the context length {length}")
     tokens[i, :len(row)] = row
     mask[i, len(p):len(row)] = True
+    if context_only is not None:
+      if len(context_only[i]) != len(t):
+        raise ValueError(f"SFT example {i}: {len(context_only[i])} context_only flags for {len(t)} target tokens")
+      mask[i, len(p):len(p) + len(t)] &= ~np.asarray(context_only[i], bool)
     seq[i, :len(row)] = True
   return SftBatch(jnp.asarray(tokens), jnp.asarray(seq), jnp.asarray(mask))
 

@@ -18,7 +18,7 @@ Modules, lowest first: ``config``, ``axes`` (the logical-axis table),
 ``sharding``.
 """
 
-from jaxrl_llm.models.api import (KVCache, decode_step, forward, init_params, last_true_index,
+from jaxrl_llm.models.api import (KVCache, decode_step, extend, forward, init_params, last_true_index,
                                   positions_from_mask, prefill, reward_scores, sequence_logprobs,
                                   sequence_logprobs_and_entropy)
 from jaxrl_llm.models.axes import LOGICAL_AXIS_RULES
@@ -36,6 +36,7 @@ __all__ = [
     "RopeScaling",
     "batch_sharding",
     "decode_step",
+    "extend",
     "forward",
     "init_params",
     "last_true_index",

@@ -290,9 +290,51 @@ def decode_step(params: Params, config: ModelConfig, cache: KVCache, tokens_b: I
   return logits, KVCache(k=keys, v=values, valid_bs=valid)
 
 
+@_jit_config
+def extend(params: Params, config: ModelConfig, cache: KVCache, tokens_bt: Int[Array, "B T"],
+           start_b: Int[Array, "B"], count_b: Int[Array, "B"]) -> tuple[Float[Array, "B V"], KVCache]:
+  """Appends up to T tokens per row to a cache (chunked prefill at each row's own offset).
+
+  Row ``b``'s first ``count_b[b]`` tokens go to cache indices (= positions)
+  ``start_b[b] .. start_b[b] + count_b[b] - 1``; they attend to the cache and
+  to each other causally. The multi-turn sampler uses it to add an
+  environment's observation after a model turn without re-reading the
+  history. ``decode_step`` is the T = 1 case. The padding tokens of a row
+  (``t >= count_b[b]``) are written past its last real token and left
+  invalid, so nothing attends to them and the row's next tokens overwrite
+  them (indices past the cache are dropped).
+
+  Args:
+    params: parameter pytree.
+    config: model config.
+    cache: KV cache from ``prefill`` / earlier steps.
+    tokens_bt: int [B, T] new tokens, row ``b`` left-aligned.
+    start_b: int [B] index of each row's first new token.
+    count_b: int [B] real tokens per row (0 leaves the row unchanged; its logits are then garbage).
+
+  Returns:
+    ``(logits_bv, cache)``: float32 [B, V] logits after each row's last new token, and the cache.
+  """
+  chex.assert_rank([tokens_bt, start_b, count_b], [2, 1, 1])
+  model = Decoder(config)
+  b, t = tokens_bt.shape
+  offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+  index_bt = start_b.astype(jnp.int32)[:, None] + offsets
+  real_bt = offsets < count_b[:, None]
+  rows = jnp.arange(b)[:, None]
+  slots = cache.valid_bs.shape[1]
+  valid = cache.valid_bs.at[rows, jnp.where(real_bt, index_bt, slots)].set(True, mode="drop")
+  x, keys, values = model.apply({"params": params}, tokens_bt, index_bt, index_bt, valid, cache.k, cache.v,
+                                method=Decoder.trunk)
+  last = x[jnp.arange(b), jnp.maximum(count_b - 1, 0)]
+  logits = model.apply({"params": params}, last, ("logits",), method=Decoder.head)["logits"]
+  return logits, KVCache(k=keys, v=values, valid_bs=valid)
+
+
 __all__ = [
     "KVCache",
     "decode_step",
+    "extend",
     "forward",
     "init_params",
     "last_true_index",

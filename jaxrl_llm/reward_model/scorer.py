@@ -153,7 +153,7 @@ class RewardModelScorer:
     finished = np.asarray(trajectory.finished_b, bool)
     tokens = np.asarray(trajectory.tokens_bt)
     if self.same_tokenizer and tokens.shape[1] <= self.config.max_position_embeddings:
-      mask = np.asarray(trajectory.prompt_mask_bt, bool) | np.asarray(trajectory.response_mask_bt, bool)
+      mask = np.asarray(trajectory.sequence_mask_bt, bool)
       return self.score_tokens(tokens, mask), finished
     return self.score_texts(prompts, responses, finished), finished
 

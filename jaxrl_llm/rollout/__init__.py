@@ -19,9 +19,10 @@ from jaxrl_llm.rollout.pipeline import PipelineFeeder
 from jaxrl_llm.rollout.pool import PoolStats, SamplerPool
 from jaxrl_llm.rollout.repair import RepairBook, merge_rows, row_item
 from jaxrl_llm.rollout.schema import (SCHEMA_VERSION, ChunkReasons, RolloutChunk, WorkItem, concat_chunks,
+                                      concat_episode_fields,
                                       validate_chunk, validate_rows)
 from jaxrl_llm.rollout.segments import generate_in_segments
 
 __all__ = ["SCHEMA_VERSION", "ChunkReasons", "PipelineFeeder", "PoolStats", "RepairBook", "RolloutChunk",
-           "SamplerPool", "SamplerSpec", "SamplerWorker", "WorkItem", "concat_chunks", "ensure_ray",
+           "SamplerPool", "SamplerSpec", "SamplerWorker", "WorkItem", "concat_chunks", "concat_episode_fields", "ensure_ray",
            "generate_in_segments", "merge_rows", "row_item", "validate_chunk", "validate_rows"]

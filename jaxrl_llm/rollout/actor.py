@@ -37,6 +37,7 @@ Versions and in-flight updates (PipelineRL, arXiv:2509.19128):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -74,6 +75,9 @@ class SamplerSpec:
     engine: the vLLM engine's :class:`~jaxrl_llm.sampling.vllm_engine.VllmEngineConfig`
       (``sampler.vllm.*`` and ``rollout.weight_transport``); None: its defaults.
     actor_gpus: ``rollout.actor_gpus`` (-1: what the sampler needs; see :attr:`gpus`).
+    episodes: for multi-turn episodes (``config.env``), a picklable ``() ->
+      EpisodeRunner`` the actor calls once (:func:`jaxrl_llm.jobs.episodes.episode_runner_builder`);
+      None: single-turn sampling.
   """
 
   model_config: Any
@@ -86,6 +90,7 @@ class SamplerSpec:
   keep_versions: int = 1
   engine: Any = None
   actor_gpus: float = -1.0
+  episodes: Any = None
 
   @property
   def gpus(self) -> int:
@@ -154,6 +159,7 @@ class SamplerWorker:
     if adapters is not None:
       params = self._with_adapters(adapters)
     self.sampler = spec.build(params, version)
+    self.episodes = spec.episodes() if spec.episodes is not None else None
     self._lock = threading.Lock()  # held while generating a segment and while swapping weights
     self._staged: Optional[tuple[Any, int]] = None
     self._staged_cv = threading.Condition()
@@ -277,6 +283,8 @@ class SamplerWorker:
     t0 = time.perf_counter()
     rng = np.asarray(item.rng, np.uint32)  # a raw (legacy) jax.random key
     row_ids = item.first_row + np.arange(len(item.prompts) * item.num_samples)
+    if self.episodes is not None:
+      return self._play(item, rng, row_ids, exact, t0)
 
     def segment(prompts, **kwargs):
       with self._lock:
@@ -293,6 +301,28 @@ class SamplerWorker:
                         chunk=item.chunk, sampler_id=self.sampler_id, fingerprint=dict(self.spec.fingerprint),
                         trajectory=result.trajectory, response_tokens=result.response_tokens,
                         sample_seconds=time.perf_counter() - t0)
+
+  @contextlib.contextmanager
+  def _between_turns(self):
+    """Held around each turn of an episode: weights received in flight land here, between turns."""
+    with self._lock:
+      self._apply_staged()
+      yield
+
+  def _play(self, item: WorkItem, rng: np.ndarray, row_ids: np.ndarray, exact: int, t0: float) -> RolloutChunk:
+    """``item`` as multi-turn episodes (``spec.episodes``): rows come scored."""
+    if exact >= 0:
+      raise ValueError(f"sampler {self.sampler_id}: exact-version work items cannot be played as episodes "
+                       "(rollout.exact_versions with env.name)")
+    if len(item.examples) != len(item.prompts):
+      raise ValueError(f"sampler {self.sampler_id}: a work item of {len(item.prompts)} prompts carries "
+                       f"{len(item.examples)} examples; episodes need one per prompt")
+    out = self.episodes.run(self.sampler, list(item.examples), item.num_samples, rng, row_ids=row_ids,
+                            guard=self._between_turns)
+    return RolloutChunk(schema_version=SCHEMA_VERSION, request_id=item.request_id, step=item.step,
+                        chunk=item.chunk, sampler_id=self.sampler_id, fingerprint=dict(self.spec.fingerprint),
+                        trajectory=out.trajectory, response_tokens=out.response_tokens,
+                        sample_seconds=time.perf_counter() - t0, rewards=out.rewards, episode_stats=out.stats)
 
   def ping(self) -> str:
     return self.sampler_id

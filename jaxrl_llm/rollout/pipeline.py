@@ -71,8 +71,9 @@ class PipelineFeeder:
 
   Args:
     pool: the sampler pool.
-    step_prompts: ``step_prompts(s) -> (prompts, rng)``: the G prompts and the
-      raw sampling key of data step ``s`` (called once per step, in order).
+    step_prompts: ``step_prompts(s) -> (prompts, rng)`` or ``(prompts, rng, examples)``: the
+      G prompts and the raw sampling key of data step ``s`` (called once per step, in order),
+      and for multi-turn episodes the G task examples (they travel in the work items).
     num_samples: n responses per prompt.
     max_lag: k >= 0, the staleness bound in policy versions.
     base_version: the learner's policy version before the first RL update.
@@ -119,14 +120,16 @@ class PipelineFeeder:
   def _dispatch_until(self, learner_step: int) -> None:
     while self._next_step <= learner_step + self.max_lag:
       s = self._next_step
-      prompts, rng = self._step_prompts(s)
+      prompts, rng, *examples = self._step_prompts(s)  # (ids, key[, examples]): examples for episodes
+      examples = list(examples[0]) if examples else []
       min_version = self.target_version(s)
       bounds = np.linspace(0, len(prompts), min(self.chunks_per_step, len(prompts)) + 1).astype(int)
       for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         item = WorkItem(request_id=self.pool.new_request_id(), step=s, chunk=c,
                         prompts=tuple(tuple(int(t) for t in p) for p in prompts[lo:hi]),
                         num_samples=self.num_samples, rng=np.asarray(rng, np.uint32),
-                        first_row=int(lo) * self.num_samples, version=min_version if self.exact_versions else -1)
+                        first_row=int(lo) * self.num_samples, version=min_version if self.exact_versions else -1,
+                        examples=tuple(examples[lo:hi]))
         self._submit(item, min_version)
       self._next_step += 1
 
@@ -287,11 +290,20 @@ def work_item_from_json(value: Any) -> WorkItem:
   fields = _fields_of(WorkItem, from_json(value))
   fields["prompts"] = tuple(tuple(int(t) for t in p) for p in fields["prompts"])
   fields["rng"] = np.asarray(fields["rng"], np.uint32)
+  fields["examples"] = tuple(_example(e) for e in fields.get("examples", ()))
   return WorkItem(**fields)
+
+
+def _example(saved: dict) -> Any:
+  from jaxrl_llm.tasks.base import Example  # pylint: disable=import-outside-toplevel
+  return Example(**_fields_of(Example, saved))
 
 
 def chunk_from_json(value: Any) -> RolloutChunk:
   fields = _fields_of(RolloutChunk, from_json(value))
-  fields["trajectory"] = Trajectory(**_fields_of(Trajectory, fields["trajectory"]))
+  saved = _fields_of(Trajectory, fields["trajectory"])
+  # checkpoints written before multi-turn rows existed have no observation mask: single-turn rows
+  saved.setdefault("observation_mask_bt", np.zeros_like(np.asarray(saved["response_mask_bt"])))
+  fields["trajectory"] = Trajectory(**saved)
   fields["response_tokens"] = [[int(t) for t in r] for r in fields["response_tokens"]]
   return RolloutChunk(**fields)

@@ -29,8 +29,9 @@ def row_item(item: WorkItem, row: int, request_id: int) -> WorkItem:
   """The WorkItem that re-samples local row ``row`` of ``item`` alone (same key, one row)."""
   if not 0 <= row < len(item.prompts) * item.num_samples:
     raise ValueError(f"row_item: row {row} outside the {len(item.prompts) * item.num_samples} rows of the item")
+  examples = (item.examples[row // item.num_samples],) if item.examples else ()
   return dataclasses.replace(item, request_id=request_id, prompts=(item.prompts[row // item.num_samples],),
-                             num_samples=1, first_row=item.first_row + row)
+                             num_samples=1, first_row=item.first_row + row, examples=examples)
 
 
 def merge_rows(chunk: RolloutChunk, rows: Mapping[int, RolloutChunk], pad_id: int) -> RolloutChunk:
@@ -62,7 +63,16 @@ def merge_rows(chunk: RolloutChunk, rows: Mapping[int, RolloutChunk], pad_id: in
   responses = [list(r) for r in chunk.response_tokens]
   for r in order:
     responses[r] = list(rows[r].response_tokens[0])
-  return dataclasses.replace(chunk, trajectory=trajectory, response_tokens=responses,
+  rewards, stats = chunk.rewards, chunk.episode_stats
+  if rewards is not None and stats is not None:  # episode rows: their rewards and statistics travel with them
+    rewards = np.asarray(rewards, np.float32).copy()
+    stats = {k: np.asarray(v).copy() for k, v in stats.items()}
+    for r in order:
+      rewards[r] = np.asarray(rows[r].rewards)[0]
+      for k in stats:
+        stats[k][r] = np.asarray(rows[r].episode_stats[k])[0]
+  return dataclasses.replace(chunk, trajectory=trajectory, response_tokens=responses, rewards=rewards,
+                             episode_stats=stats,
                              sample_seconds=chunk.sample_seconds + sum(rows[r].sample_seconds for r in order))
 
 

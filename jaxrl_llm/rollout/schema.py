@@ -19,8 +19,12 @@ whole-chunk problems (the pool rejects the chunk and re-samples all of it):
 per-row problems (:func:`validate_rows`; the pool drops just those rows and
 re-samples each alone with its own key, see :mod:`jaxrl_llm.rollout.repair`):
 
-* prompt then response, contiguous, no overlap; ids in ``[0, vocab)``;
+* prompt from index 0, then model and observation tokens (multi-turn rows)
+  as one contiguous run starting with a model token, no overlap; ids in
+  ``[0, vocab)``;
 * behaviour log-probabilities finite and <= 0 on response tokens;
+* observation tokens carry no behaviour log-probability (0) and no policy
+  version (-1);
 * every response token carries a policy version in ``[0, latest]``: a version
   from the future (a sampler that saw weights the learner never published, or
   a restarted learner) is rejected;
@@ -37,7 +41,7 @@ import numpy as np
 from jaxrl_llm.bridge.fingerprint import Fingerprint, check_fingerprints
 from jaxrl_llm.types import Trajectory, concat_trajectories
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bumped whenever a field of RolloutChunk or its meaning changes."""
 
 
@@ -58,6 +62,9 @@ class WorkItem:
       the actor uses that version's weights from the recent ones it keeps, even
       when it already holds newer ones); -1: any version it holds, at least the
       ``min_version`` the item was submitted with.
+    examples: the G task examples of ``prompts`` when the actor plays multi-turn
+      episodes (``config.env``: each episode's environment resets from its
+      example); empty for single-turn sampling.
   """
 
   request_id: int
@@ -68,6 +75,7 @@ class WorkItem:
   rng: np.ndarray
   first_row: int = 0
   version: int = -1
+  examples: tuple = ()
 
 
 @dataclasses.dataclass
@@ -82,6 +90,10 @@ class RolloutChunk:
     trajectory: numpy Trajectory, B = G * n rows.
     response_tokens: per row, the sampled ids (stop token included).
     sample_seconds: time the sampler spent generating.
+    rewards: float32 [B] the episodes' rewards when the actor played multi-turn
+      episodes (the rows come scored), else None.
+    episode_stats: ``{name: [B] array}`` of :data:`jaxrl_llm.envs.episodes.STAT_FIELDS`
+      for episode rows, else None.
   """
 
   schema_version: int
@@ -93,6 +105,8 @@ class RolloutChunk:
   trajectory: Trajectory
   response_tokens: list[list[int]]
   sample_seconds: float = 0.0
+  rewards: Optional[np.ndarray] = None
+  episode_stats: Optional[dict] = None
 
   @property
   def num_rows(self) -> int:
@@ -124,9 +138,10 @@ class ChunkReasons(list):
     super().__init__(self.chunk + [f"row {r}: {reason}" for r, reasons in self.rows.items() for reason in reasons])
 
 
-_FIELDS = ("tokens_bt", "prompt_mask_bt", "response_mask_bt", "behaviour_logp_bt", "policy_version_bt")
+_FIELDS = ("tokens_bt", "prompt_mask_bt", "response_mask_bt", "observation_mask_bt", "behaviour_logp_bt",
+           "policy_version_bt")
 _DTYPE_KINDS = {"tokens_bt": "iu", "policy_version_bt": "iu", "prompt_mask_bt": "b", "response_mask_bt": "b",
-                "behaviour_logp_bt": "f"}
+                "observation_mask_bt": "b", "behaviour_logp_bt": "f"}
 
 
 def _structure(chunk: Any, expected_rows: Optional[int]) -> tuple[list[str], dict[str, np.ndarray]]:
@@ -204,21 +219,29 @@ def validate_rows(chunk: RolloutChunk, *, latest_version: int, vocab_size: int) 
   if problems:
     raise ValueError("validate_rows: a chunk-level problem (see validate_chunk): " + "; ".join(problems))
   tokens, prompt, response = arrays["tokens_bt"], arrays["prompt_mask_bt"], arrays["response_mask_bt"]
+  observation = arrays["observation_mask_bt"]
   logp, versions = arrays["behaviour_logp_bt"], arrays["policy_version_bt"]
-  used = prompt | response
-  # prompt from index 0, response right after it, both contiguous
-  n_prompt, n_resp = prompt.sum(1), response.sum(1)
+  after = response | observation  # everything after the prompt: model turns and observations
+  used = prompt | after
+  # prompt from index 0, then model turns and observations as one contiguous run starting with a model token
+  n_prompt, n_after = prompt.sum(1), after.sum(1)
   index = np.arange(tokens.shape[1])[None]
+  first = np.minimum(n_prompt, tokens.shape[1] - 1)
+  starts_with_model = (n_after == 0) | response[np.arange(tokens.shape[0]), first]
   layout_ok = (prompt == (index < n_prompt[:, None])).all(1) & (
-      response == ((index >= n_prompt[:, None]) & (index < (n_prompt + n_resp)[:, None]))).all(1)
+      after == ((index >= n_prompt[:, None]) & (index < (n_prompt + n_after)[:, None]))).all(1) & starts_with_model
   with np.errstate(invalid="ignore"):
     bad_logp = (response & ~(np.isfinite(logp) & (logp <= 0))).any(1)
   lowest = np.iinfo(np.int64).min
   newest = np.where(response, versions.astype(np.int64), lowest).max(1, initial=lowest)  # per row
   checks = [
-      ((prompt & response).any(1), lambda b: "prompt and response masks overlap"),
+      ((prompt & response).any(1) | (prompt & observation).any(1) | (response & observation).any(1),
+       lambda b: "prompt, response and observation masks overlap"),
       ((used & ((tokens < 0) | (tokens >= vocab_size))).any(1), lambda b: f"token ids outside [0, {vocab_size})"),
-      (~layout_ok, lambda b: "rows must hold the prompt from index 0 and the response right after it"),
+      (~layout_ok, lambda b: "rows must hold the prompt from index 0 and the response (model turns and "
+                             "observations, starting with a model turn) right after it"),
+      ((observation & ((logp != 0) | (versions != -1))).any(1),
+       lambda b: "observation tokens must carry no behaviour log-probability (0) and no policy version (-1)"),
       (bad_logp, lambda b: "behaviour log-probabilities must be finite and <= 0 on response tokens"),
       (newest > latest_version,
        lambda b: f"policy version from the future: {int(newest[b])} > the learner's latest {latest_version}"),
@@ -232,6 +255,16 @@ def validate_rows(chunk: RolloutChunk, *, latest_version: int, vocab_size: int) 
     if reasons:
       out[b] = reasons
   return out
+
+
+def concat_episode_fields(chunks: Sequence[RolloutChunk]) -> tuple[Optional[np.ndarray], Optional[dict]]:
+  """``(rewards [B], episode_stats)`` of the chunks' rows in order, or ``(None, None)`` unless every
+  chunk holds scored episode rows."""
+  if not chunks or any(c.rewards is None or c.episode_stats is None for c in chunks):
+    return None, None
+  rewards = np.concatenate([np.asarray(c.rewards, np.float32) for c in chunks])
+  stats = {k: np.concatenate([np.asarray(c.episode_stats[k]) for c in chunks]) for k in chunks[0].episode_stats}
+  return rewards, stats
 
 
 def concat_chunks(chunks: Sequence[RolloutChunk], pad_id: int) -> tuple[Trajectory, list[list[int]]]:

@@ -188,7 +188,7 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
                        actor_cpus: float = 1.0, export_dir: str = "",
                        latest_version: Optional[Callable[[], int]] = None, keep_versions: int = 1,
                        platform: str = "cpu", engine: Any = None, local_gpus: str = "auto",
-                       actor_gpus: float = -1.0) -> Any:
+                       actor_gpus: float = -1.0, episodes: Any = None) -> Any:
   """Starts a :class:`~jaxrl_llm.rollout.SamplerPool` whose chunks are validated against this run.
 
   Every chunk is checked (:func:`~jaxrl_llm.rollout.validate_chunk`) against the
@@ -199,7 +199,8 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
   ``rollout.exact_versions``). ``platform``: where JAX sampler actors run; ``engine``:
   the vLLM engines' :class:`~jaxrl_llm.sampling.vllm_engine.VllmEngineConfig`;
   ``local_gpus``: the GPUs a local cluster offers (see :class:`~jaxrl_llm.rollout.SamplerPool`);
-  ``actor_gpus``: ``rollout.actor_gpus``.
+  ``actor_gpus``: ``rollout.actor_gpus``; ``episodes``: a picklable ``() -> EpisodeRunner`` when the
+  actors play multi-turn episodes (``SamplerSpec.episodes``).
   Each actor's placement and engine arguments are logged once the actors are up and kept as
   ``pool.placement`` (the run's summary.json reports them).
   """
@@ -212,7 +213,7 @@ def start_sampler_pool(*, model_config: Any, sampler_config: Any, tokenizer: Any
   spec = rollout.SamplerSpec(model_config=model_config, sampler_config=sampler_config,
                              fingerprint=fingerprint.to_dict(), kind=kind, segment_tokens=segment_tokens,
                              model_path=model_path, keep_versions=keep_versions, platform=platform,
-                             engine=engine, actor_gpus=actor_gpus)
+                             engine=engine, actor_gpus=actor_gpus, episodes=episodes)
   vocab = model_config.vocab_size
   holder: dict[str, Any] = {}
   newest = latest_version or (lambda: holder["pool"].published_version)
@@ -259,11 +260,13 @@ class PipelineSource:
     pad_id: padding id of the concatenated chunks.
     exact_versions: sample data step s with exactly version ``base + max(0, s - k)``
       (the pool's actors must keep ``max_lag + 1`` versions).
+    episodes: the actors play multi-turn episodes: work items carry the examples and
+      the rows come scored (``Rollout.rewards``, ``env/*`` metrics).
   """
 
   def __init__(self, pool: Any, prompts: Any, encode: Callable[[str], list[int]], seed: int, *, start_step: int,
                base_version: int, group_size: int, max_lag: int, chunks_per_step: int, pad_id: int,
-               exact_versions: bool = False):
+               exact_versions: bool = False, episodes: bool = False):
     from jaxrl_llm import rollout
 
     self.pool = pool
@@ -272,6 +275,7 @@ class PipelineSource:
     self.seed = seed
     self.start_step = start_step
     self.pad_id = pad_id
+    self.episodes = bool(episodes)
     self._examples: dict[int, list] = {}
     self._stream_after: dict[int, dict] = {}
     self._replays = callable(getattr(prompts, "record", None))
@@ -293,7 +297,9 @@ class PipelineSource:
     pb = self.prompts.next_batch()
     self._examples[s] = list(pb.examples)
     self._stream_after[s] = self.prompts.get_state()
-    return [self.encode(e.prompt) for e in pb.examples], np.asarray(sampling_key(self.seed, self.start_step + s))
+    key = np.asarray(sampling_key(self.seed, self.start_step + s))
+    ids = [self.encode(e.prompt) for e in pb.examples]
+    return (ids, key, list(pb.examples)) if self.episodes else (ids, key)
 
   def collect(self, step: int) -> Rollout:
     from jaxrl_llm import rollout
@@ -305,8 +311,17 @@ class PipelineSource:
     traj, responses = rollout.concat_chunks(chunks, self.pad_id)
     metrics = {"time/wait_s": waited, **self.feeder.metrics(),
                "pipeline/sampler_busy_s": float(sum(ch.sample_seconds for ch in chunks))}
+    rewards, stats = rollout.concat_episode_fields(chunks) if self.episodes else (None, None)
+    reward_metrics = {}
+    if self.episodes:
+      if rewards is None:
+        raise RuntimeError(f"pipeline step {step}: the sampler actors returned unscored rows; the pool's actors "
+                           "must play episodes (SamplerSpec.episodes) when env.name is set")
+      from jaxrl_llm.envs.episodes import episode_metrics, reward_figures  # pylint: disable=import-outside-toplevel
+      metrics.update(episode_metrics(stats, traj))
+      reward_metrics = reward_figures(rewards)
     return Rollout(self._examples.pop(s), traj, responses, max(ch.sample_seconds for ch in chunks),
-                   metrics=metrics)
+                   rewards=rewards, reward_metrics=reward_metrics, metrics=metrics)
 
   def publish(self, params: Any, version: int) -> float:
     return self.pool.publish(params, version) if version > self.pool.published_version else 0.0

@@ -186,6 +186,7 @@ def build_sample_result(tokens_bt: np.ndarray, logp_bt: np.ndarray, prompt_lengt
       tokens_bt=tokens_bt.astype(np.int32),
       prompt_mask_bt=prompt_mask,
       response_mask_bt=response_mask,
+      observation_mask_bt=np.zeros_like(response_mask),
       behaviour_logp_bt=np.where(response_mask, logp_bt, 0.0).astype(np.float32),
       policy_version_bt=np.where(response_mask, version, -1).astype(np.int32),
       group_id_b=np.repeat(np.arange(len(truncated_g), dtype=np.int32), num_samples),

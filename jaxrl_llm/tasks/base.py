@@ -163,6 +163,15 @@ class Task(abc.ABC):
     """The gold response text for the supervised warm start (EOS added by the tokenizer)."""
     return example.answer
 
+  def sft_segments(self, example: Example) -> list[tuple[str, bool]]:
+    """The gold response as ``[(text, trained)]`` pieces whose texts join to ``sft_target``.
+
+    A multi-turn task's demonstration alternates the model's turns (trained)
+    with what its tools answered (``trained=False``: context the warm start
+    reads but does not learn to write). Default: one trained piece.
+    """
+    return [(self.sft_target(example), True)]
+
   def split_key(self, example: Example) -> str:
     """Canonical problem text used by the held-out split."""
     return example.prompt

@@ -9,9 +9,11 @@ from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.settings import did_you_mean
 from jaxrl_llm.tasks import base
 from jaxrl_llm.tasks.addition import AdditionTask
+from jaxrl_llm.tasks.code_tests import CodeTestsTask
 from jaxrl_llm.tasks.countdown import CountdownTask
 from jaxrl_llm.tasks.jsonl import JsonlTask
 from jaxrl_llm.tasks.sorting import SortingTask
+from jaxrl_llm.tasks.tool_multiply import ToolMultiplyTask
 
 DEFAULT_TASK = "addition"
 
@@ -20,6 +22,8 @@ _REGISTRY: dict[str, Callable[..., base.Task]] = {
     "sorting": SortingTask,
     "countdown": CountdownTask,
     "jsonl": JsonlTask,
+    "tool_multiply": ToolMultiplyTask,
+    "code_tests": CodeTestsTask,
 }
 
 

@@ -1,0 +1,1 @@
+"""Environments, tools and the sandbox for multi-turn agentic RL."""
