@@ -21,7 +21,7 @@ import sys
 import time
 
 from bench.common import QuietWindow, emit, load_average
-from jaxrl_llm.envs.sandbox import Sandbox, SandboxLimits
+from jaxrl_llm.tasks.sandbox import Sandbox, SandboxLimits
 
 SNIPPET = "print(sum(range(100)))"
 

@@ -58,7 +58,11 @@ Part ``engine`` (one in-process ``VllmSampler``):
      parameter checksums must equal the learner's;
   5. sample again; mismatch against the new params (and against the old ones,
      which must be larger: the update reached the engine); greedy agreement of
-     vLLM with the built-in JAX sampler before and after.
+     vLLM with the built-in JAX sampler before and after;
+  6. multi-turn episodes through vLLM (``sampling.session.ReplaySession``: each turn
+     re-submits the history, with an observation appended between turns): the behaviour
+     log-probabilities of the model's tokens, after observations too, against the
+     learner's over the whole rows (``multi_turn_episodes``).
 
 Output: one JSON line on stdout (also written to ``--output_json`` when set); everything
 else goes to stderr. Keys: ``ok`` (every selected part passed) and ``parts``; the engine
@@ -66,7 +70,7 @@ part's ``checks``, ``gpu``, ``vllm_version``, ``checkpoint``, ``engine_dtype``,
 ``learner_dtype``, ``jax_backend``, ``engine_start_s``, ``sampling``, ``mismatch_before``,
 ``mismatch_after``, ``mismatch_after_vs_old_params``, ``weight_sync``,
 ``weights_checksum_max_rel_err``, ``update_param_abs_change``, ``update_metrics``,
-``greedy_agreement_before``, ``greedy_agreement_after``; the pipeline part's
+``greedy_agreement_before``, ``greedy_agreement_after``, ``multi_turn_episodes``; the pipeline part's
 ``pipeline_ok``, ``pipeline_error`` (only when every layout was skipped), ``pipeline_gpus``
 (``ids``, ``count``), ``pipeline_settings`` and ``pipeline``: one entry per layout with
 ``name``, ``sampler_kind``, ``transport``, ``tensor_parallel_size``, ``num_samplers``,
@@ -102,7 +106,7 @@ from typing import Any, Mapping
 import numpy as np
 from absl import app, flags
 
-from launch.gpu_engine import build_tiny_checkpoint, greedy_agreement, learner_mismatch, rl_update
+from launch.gpu_engine import build_tiny_checkpoint, episode_mismatch, greedy_agreement, learner_mismatch, rl_update
 from launch.gpu_layouts import TRANSPORTS, pipeline_layouts
 from launch.gpu_pipeline import run_pipeline, run_pipeline_isolated, sampler_gpu_ids
 
@@ -276,7 +280,11 @@ def run_check(folder: str) -> dict[str, Any]:
   reference.update_weights(new_params, version)
   greedy_after = greedy_agreement(sampler.generate(prompts, greedy=True, num_samples=1).response_tokens,
                                   reference.generate(prompts, greedy=True, num_samples=1).response_tokens)
+  episodes = episode_mismatch(sampler, new_params, model_config, tokenizer, prompts[:8], sampling.temperature,
+                              seed=_SEED.value)
   checks = {
+      "episodes_observations_appended": episodes["observation_tokens"] > 0,
+      "episodes_mean_abs_delta_within_bound": episodes["mismatch"]["mean_abs"] <= _MAX_MEAN_ABS.value,
       "weights_reached_engine": checksum_err < 1e-4,
       "update_changed_params": change > 0,
       "after_closer_to_new_than_old_params": mismatch_after["mean_abs"] < mismatch_stale["mean_abs"],
@@ -295,7 +303,7 @@ def run_check(folder: str) -> dict[str, Any]:
       "mismatch_after_vs_old_params": mismatch_stale, "weight_sync": sync,
       "weights_checksum_max_rel_err": checksum_err, "update_param_abs_change": change,
       "update_metrics": update_metrics, "greedy_agreement_before": greedy_before,
-      "greedy_agreement_after": greedy_after,
+      "greedy_agreement_after": greedy_after, "multi_turn_episodes": episodes,
   }
 
 

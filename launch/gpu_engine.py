@@ -146,3 +146,54 @@ def rl_update(params, model_config, result, temperature, num_samples, lr, seed):
   train = state_lib.create_train_state(params, optimizer, seed)
   train, _, metrics = step(train, objective.init(None), batch)
   return train.params, {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
+
+
+# ------------------------------------------------------------------ multi-turn episodes
+class _ScriptedEnvironment:
+  """Answers each turn with a fixed observation and ends after ``turns`` turns (the check's episodes)."""
+
+  def __init__(self, observation: str, turns: int):
+    self.observation, self.turns, self.seen = observation, turns, 0
+
+  def reset(self, example) -> str:
+    return example.prompt
+
+  def step(self, text: str):
+    from jaxrl_llm.envs.base import StepResult  # pylint: disable=import-outside-toplevel
+    self.seen += 1
+    return StepResult("", reward=1.0, done=True) if self.seen >= self.turns else StepResult(self.observation)
+
+
+def episode_mismatch(sampler, params, model_config, tokenizer, prompts: Sequence[Sequence[int]], temperature: float,
+                     *, turns: int = 3, turn_tokens: int = 12, samples: int = 2, seed: int = 0,
+                     open_session=None) -> dict:
+  """Plays ``turns``-turn episodes with ``sampler`` (vLLM: a :class:`~jaxrl_llm.sampling.session.ReplaySession`,
+  each turn re-submitting the history) and compares the behaviour log-probabilities of its model tokens
+  with the learner's over the whole rows, overall and after the first observation. ``open_session``:
+  the session maker (default: the sampler's own, :func:`jaxrl_llm.sampling.session.open_session`)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm import models  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.envs.base import EpisodeLimits  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.envs.episodes import EpisodeRunner  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.envs.observation import ObservationFormat  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.tasks.base import Example  # pylint: disable=import-outside-toplevel
+  observation = tokenizer.decode(list(prompts[0][:4]))  # characters the tokenizer has
+  runner = EpisodeRunner(
+      env_factory=lambda example: _ScriptedEnvironment(observation, turns),
+      limits=EpisodeLimits(max_turns=turns, max_tokens=turns * (turn_tokens + 8), max_turn_tokens=turn_tokens),
+      encode_prompt=lambda text: tokenizer.encode(text, add_special_tokens=False),
+      encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False), decode=tokenizer.decode,
+      observation_format=ObservationFormat.plain(), stop_token_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id,
+      **({"open_session": open_session} if open_session is not None else {}))
+  examples = [Example(tokenizer.decode(list(p)), "") for p in prompts]
+  out = runner.run(sampler, examples, samples, jax.random.PRNGKey(seed))
+  traj = out.trajectory
+  learner = np.asarray(models.sequence_logprobs(params, model_config, traj.tokens_bt, np.asarray(traj.sequence_mask_bt),
+                                                temperature))
+  response, obs = np.asarray(traj.response_mask_bt), np.asarray(traj.observation_mask_bt)
+  after = response & (np.cumsum(obs, axis=1) > 0)
+  report = {"rows": int(response.shape[0]), "observation_tokens": int(obs.sum()), "turns_mean": float(
+      np.mean(out.stats["turns"])), "mismatch": logprob_mismatch(learner, traj.behaviour_logp_bt, response)}
+  if after.any():
+    report["mismatch_after_observation"] = logprob_mismatch(learner, traj.behaviour_logp_bt, after)
+  return report

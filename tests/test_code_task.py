@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from jaxrl_llm.envs import sandbox as S
+from jaxrl_llm.tasks import sandbox as S
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.tasks import code_tests
 from jaxrl_llm.tasks.registry import get_task, list_tasks

@@ -17,7 +17,7 @@ from jaxrl_llm.bridge.tokenizer import build_char_tokenizer
 from jaxrl_llm.envs import base
 from jaxrl_llm.envs.base import Environment, EpisodeLimits, StepResult, load_environment_factory, register_environment
 from jaxrl_llm.envs.observation import ObservationFormat
-from jaxrl_llm.envs.tool_calls import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, format_tool_call,
+from jaxrl_llm.tasks.tool_calls import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolCall, format_tool_call,
                                        format_tool_response, parse_tool_calls)
 from jaxrl_llm.envs.tool_env import ToolEnvironment, answer_of
 from jaxrl_llm.envs.tools import (CALCULATOR, Tool, ToolError, ToolRegistry, calculate, function_tool, make_registry,
@@ -230,10 +230,10 @@ def test_python_tool_with_a_fake_runner(result, text, error):
 
 def test_python_tool_without_isolation_never_runs_code(monkeypatch):
   built = []
-  fake = types.ModuleType("jaxrl_llm.envs.sandbox")
+  fake = types.ModuleType("jaxrl_llm.tasks.sandbox")
   fake.isolation_available = lambda: (False, "bubblewrap is not installed")
   fake.Sandbox = lambda: built.append(1)
-  monkeypatch.setitem(sys.modules, "jaxrl_llm.envs.sandbox", fake)
+  monkeypatch.setitem(sys.modules, "jaxrl_llm.tasks.sandbox", fake)
   tool = python_tool()
   for _ in range(2):
     outcome = ToolRegistry([tool]).call(call("python", code="print(1)"))
@@ -244,13 +244,13 @@ def test_python_tool_without_isolation_never_runs_code(monkeypatch):
 
 def _real_sandbox_available() -> bool:
   try:
-    sandbox = importlib.import_module("jaxrl_llm.envs.sandbox")
+    sandbox = importlib.import_module("jaxrl_llm.tasks.sandbox")
     return bool(sandbox.isolation_available()[0])
   except Exception:  # pylint: disable=broad-except
     return False
 
 
-@pytest.mark.skipif(not _real_sandbox_available(), reason="jaxrl_llm.envs.sandbox is absent or has no isolation")
+@pytest.mark.skipif(not _real_sandbox_available(), reason="jaxrl_llm.tasks.sandbox is absent or has no isolation")
 def test_python_tool_with_the_real_sandbox():
   tool = python_tool()
   registry = ToolRegistry([tool])
@@ -342,7 +342,7 @@ def test_load_environment_factory():
                       ("tool", "did you mean 'tools'"),
                       ("jaxrl_llm.envs.tool_env:Nope", "env.name='jaxrl_llm.envs.tool_env:Nope'.*no attribute"),
                       ("no_such_module_xyz:make", "env.name=.*does not import"),
-                      ("jaxrl_llm.envs.tool_calls:TOOL_CALL_OPEN", "is a str, not a callable; expected"),
+                      ("jaxrl_llm.tasks.tool_calls:TOOL_CALL_OPEN", "is a str, not a callable; expected"),
                       ("", "env.name=''")]:
     with pytest.raises(ConfigError, match=match):
       load_environment_factory(name)

@@ -272,3 +272,27 @@ def test_an_isolated_run_that_fails_reports_the_error(tmp_path):
   assert "no_checkpoint" in entry["error"], entry["error"]
   skipped = gpu_layouts.pipeline_layouts(0, ["ipc"], sampler_kind="jax")[0]
   assert gpu_pipeline.run_pipeline_isolated(skipped, 1, checkpoint="/c", workdir="/w")["ok"] is None
+
+
+def test_the_engine_parts_episode_check_on_the_cpu(checkpoint):
+  """What the engine part measures on vLLM's episodes, here with the built-in sampler replaying each turn's
+  history (the path vLLM takes): observations appended, model tokens after them scored like the learner."""
+  from jaxrl_llm import bridge  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.sampling import JaxSampler, SamplerConfig  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.sampling import session  # pylint: disable=import-outside-toplevel
+  tokenizer = bridge.Tokenizer.from_folder(checkpoint)
+  config = bridge.config_from_hf(checkpoint, pad_token_id=tokenizer.pad_id, param_dtype="float32", dtype="float32")
+  params = bridge.load_hf_params(checkpoint, config)
+
+  sampler = JaxSampler(config, params, SamplerConfig(max_length=128))
+
+  def replay(sampler, prompts, *, rng, row_ids, capacity, max_turn_tokens, **overrides):
+    return session.ReplaySession(sampler, prompts, rng=rng, row_ids=row_ids, capacity=capacity,
+                                 config=sampler.config, model_config=sampler.model_config, **overrides)
+
+  prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+  report = gpu_engine.episode_mismatch(sampler, params, config, tokenizer, prompts, 1.0, turn_tokens=6,
+                                       open_session=replay)
+  assert report["rows"] == 6 and report["observation_tokens"] > 0 and report["turns_mean"] > 1
+  assert report["mismatch"]["tokens"] > 0 and report["mismatch"]["mean_abs"] < 1e-3
+  assert report["mismatch_after_observation"]["tokens"] > 0

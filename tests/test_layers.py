@@ -25,13 +25,13 @@ PACKAGE = "jaxrl_llm"
 # A new package goes into the lowest layer that holds everything it imports: arrays and
 # settings with no dependency -> 0; objectives, advantages, models (pure JAX functions) -> 1;
 # I/O with the outside world (weights, samplers, tasks, diagnostics) -> 2; the learner and
-# the rollout machinery -> 3; what trains on top of the learner (reward models) -> 4; run
+# the rollout machinery, multi-turn environments over samplers and tasks -> 3; what trains on top of the learner (reward models) -> 4; run
 # configuration and launching -> 5; jobs, which wire everything together -> 6.
 LAYERS = {
     0: ("types", "reduce", "ops", "settings", "errors"),
     1: ("objectives", "advantages", "models"),
     2: ("bridge", "sampling", "tasks", "diagnostics"),
-    3: ("rollout", "learner"),
+    3: ("rollout", "learner", "envs"),
     4: ("reward_model",),
     5: ("configuration", "experiments"),
     6: ("jobs",),

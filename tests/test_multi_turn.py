@@ -245,3 +245,62 @@ def test_session_refuses_what_does_not_fit():
     session.append([0], [[5] * 9])
   with pytest.raises(ValueError, match="prompt 0 has 200 tokens"):
     JaxSession(sampler, [[3] * 200], rng=jax.random.PRNGKey(0), row_ids=[0], capacity=8, max_turn_tokens=4)
+
+
+def test_tool_demonstrations_train_the_model_turns_only_and_play_back_through_the_environment():
+  from jaxrl_llm.tasks.tool_calls import TOOL_CALL_CLOSE
+  from jaxrl_llm.envs.tool_env import ToolEnvironment
+  from jaxrl_llm.envs.tools import make_registry
+  from jaxrl_llm.learner import sft
+  from jaxrl_llm.tasks import get_task
+  task = get_task("tool_multiply", min_digits=2, max_digits=2, tool_demo_fraction=0.5)
+  tok = bridge.build_char_tokenizer(task.alphabet, bridge.tokenizer.DEFAULT_CHAR_SPECIALS + task.special_tokens)
+  examples = [task.train_example(0, i) for i in range(40)]
+  with_tool = [e for e in examples if task.uses_tool_in_demonstration(e)]
+  assert 0 < len(with_tool) < len(examples)  # tool_demo_fraction: some demonstrations answer directly
+  example = with_tool[0]
+  segments = task.sft_segments(example)
+  assert [trained for _, trained in segments] == [True, False, True]
+  assert "".join(text for text, _ in segments) == task.sft_target(example)
+  ids, flags = [], []
+  for text, trained in segments:
+    piece = tok.encode(text, add_special_tokens=False)
+    ids, flags = ids + piece, flags + [not trained] * len(piece)
+  prompt = tok.encode(example.prompt)
+  batch = sft.collate([prompt], [ids], tok.eos_id, tok.pad_id, 128, context_only=[flags])
+  target = np.asarray(batch.target_mask_bt)[0]
+  seq = np.asarray(batch.seq_mask_bt)[0]
+  response_tokens = set(np.flatnonzero(np.asarray(flags)) + len(prompt))
+  assert not target[sorted(response_tokens)].any() and seq[sorted(response_tokens)].all()  # read, not learned
+  assert target.sum() == len(ids) - len(response_tokens) + 1  # the model's turns and the EOS
+  # the demonstration, played through the built-in environment with the calculator as "calc", scores 1
+  env = ToolEnvironment(task, make_registry(["calculator"], aliases={"calculator": "calc"}))
+  env.reset(example)
+  call = segments[0][0]
+  assert call.endswith(TOOL_CALL_CLOSE) and tok.token_to_id(TOOL_CALL_CLOSE) is not None  # one stop token
+  first = env.step(call)
+  assert first.observation == segments[1][0] and not first.done
+  last = env.step(segments[2][0] + "<eos>")
+  assert last.done and last.reward == 1.0
+
+
+def test_the_python_tool_runs_model_code_in_the_sandbox_and_its_counters_reach_the_step():
+  from jaxrl_llm.configuration.environment import EnvSettings
+  from jaxrl_llm.tasks import sandbox
+  from jaxrl_llm.jobs.episodes import build_episode_runner
+  from jaxrl_llm.tasks import get_task
+  ok, why = sandbox.isolation_available()
+  if not ok:
+    pytest.skip(f"no process isolation on this machine: {why}")
+  runner = build_episode_runner(EnvSettings(name="tools", tools=("python",), sandbox_workers=1),
+                                get_task("tool_multiply"), TOK, TOK.encode)
+  env = runner.env_factory(Example("2*3=", "6"))
+  env.reset(Example("2*3=", "6"))
+  code = "import socket; socket.create_connection(('127.0.0.1', 22), timeout=1); print('escaped')"
+  step = env.step('<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>' % code)
+  assert not step.done and "escaped" not in step.observation and "error" in step.observation
+  assert step.info["tool_errors"] == 1
+  printed = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(2 * 3)"}}</tool_call>')
+  assert printed.observation == "<tool_response>\n6\n</tool_response>"
+  counters = runner.resource_metrics()
+  assert counters["sandbox/calls"] == 2 and runner.resource_metrics()["sandbox/calls"] == 0  # per step

@@ -1,4 +1,4 @@
-"""Security and behaviour of the bubblewrap sandbox (jaxrl_llm.envs.sandbox).
+"""Security and behaviour of the bubblewrap sandbox (jaxrl_llm.tasks.sandbox).
 
 Each security test fails if the sandbox leaks: the code's output is checked for the secret or
 the effect it was after, and the host is checked afterwards (files not written, processes gone,
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from jaxrl_llm.envs import sandbox as S
-from jaxrl_llm.envs import sandbox_child
+from jaxrl_llm.tasks import sandbox as S
+from jaxrl_llm.tasks import sandbox_child
 
 AVAILABLE, WHY = S.isolation_available()
 needs_sandbox = pytest.mark.skipif(not AVAILABLE, reason=f"no isolation here: {WHY}")

@@ -134,17 +134,21 @@ class EpisodeRunner:
     open_session: ``(sampler, prompts, rng=, row_ids=, capacity=, max_turn_tokens=, **overrides) -> TurnSession``
       (default :func:`jaxrl_llm.sampling.session.open_session`: the KV-cache session of the built-in
       sampler, the replaying one of any other).
+    resource_metrics: ``() -> dict`` of the tools' own counters since the last call (the python
+      tool's ``Sandbox.metrics``: calls, seconds, kills by cause), added to each step's metrics.
   """
 
   def __init__(self, *, env_factory: Callable[[Any], Any], limits: EpisodeLimits,
                encode_prompt: Callable[[str], list[int]], encode_text: Callable[[str], list[int]],
                decode: Callable[[Sequence[int]], str], observation_format: Any, stop_token_ids: Sequence[int],
-               pad_id: int, open_session: Callable[..., Any] = session_lib.open_session):
+               pad_id: int, open_session: Callable[..., Any] = session_lib.open_session,
+               resource_metrics: Callable[[], Mapping[str, float]] = dict):
     self.env_factory, self.limits = env_factory, limits
     self.encode_prompt, self.encode_text, self.decode = encode_prompt, encode_text, decode
     self.observation_format = observation_format
     self.stop_token_ids = tuple(int(s) for s in stop_token_ids)
     self.open_session, self.pad_id = open_session, pad_id
+    self.resource_metrics = resource_metrics
 
   def run(self, sampler: Any, examples: Sequence[Any], num_samples: int, rng: Any,
           row_ids: Sequence[int] | None = None, guard: Callable[[], ContextManager] = contextlib.nullcontext,

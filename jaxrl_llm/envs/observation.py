@@ -35,7 +35,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from jaxrl_llm.envs.tool_calls import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN
+from jaxrl_llm.tasks.tool_calls import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN
 
 KINDS = ("plain", "chat")
 SENTINEL_USER = "JAXRLSENTINELUSER"

@@ -1,6 +1,6 @@
 """A tool-using environment: the model calls tools until it answers, and the answer is scored.
 
-Each model turn is parsed for ``<tool_call>`` blocks (:mod:`jaxrl_llm.envs.tool_calls`, the
+Each model turn is parsed for ``<tool_call>`` blocks (:mod:`jaxrl_llm.tasks.tool_calls`, the
 Hermes / Qwen2.5 format):
 
 * a turn with at least one block (well-formed or not) is a *tool turn*: the calls run through
@@ -27,7 +27,7 @@ import re
 from typing import Any, Callable, Optional
 
 from jaxrl_llm.envs.base import StepResult, register_environment, resolve_callable
-from jaxrl_llm.envs.tool_calls import format_tool_response, parse_tool_calls
+from jaxrl_llm.tasks.tool_calls import format_tool_response, parse_tool_calls
 from jaxrl_llm.envs.tools import ToolRegistry
 
 # End-of-turn / end-of-text special tokens a turn may end with: <|...|> (Qwen, Llama 3, GPT),

@@ -12,7 +12,7 @@ Built-in tools (:func:`make_registry` names):
 * ``calculator`` (:func:`calculate`, argument ``expression`` or ``expr``): ``+ - * / // % **``,
   unary minus, parentheses on int and float literals, walked on the ``ast`` (no names, calls or
   attributes, nothing ``eval``-ed), exponents and integer sizes bounded, integers printed exactly.
-* ``python`` (:func:`python_tool`): runs ``code`` in ``jaxrl_llm.envs.sandbox.Sandbox`` or an
+* ``python`` (:func:`python_tool`): runs ``code`` in ``jaxrl_llm.tasks.sandbox.Sandbox`` or an
   injected runner; without a sandbox the call is an error saying why, never an unsandboxed run.
 
 Any other name is an import path ``"pkg.mod:fn"`` (:func:`function_tool`). Tool use learned
@@ -30,7 +30,7 @@ import operator
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from jaxrl_llm.envs.tool_calls import ToolCall
+from jaxrl_llm.tasks.tool_calls import ToolCall
 from jaxrl_llm.errors import ConfigError
 
 # Calculator bounds, and the characters of a tool's text the model sees (the rest is clipped).
@@ -199,7 +199,7 @@ CALCULATOR = Tool("calculator", "Evaluates an arithmetic expression: numbers, + 
 
 # ---------------------------------------------------------------------- python
 class _LazySandbox:
-  """The default runner: ``jaxrl_llm.envs.sandbox.Sandbox()``, made on first use if isolation is available."""
+  """The default runner: ``jaxrl_llm.tasks.sandbox.Sandbox()``, made on first use if isolation is available."""
 
   sandbox: Any = None
   unavailable: Optional[str] = None  # why there is no sandbox, once known
@@ -207,11 +207,11 @@ class _LazySandbox:
   def run(self, code: str) -> Any:
     if self.sandbox is None and self.unavailable is None:
       try:
-        sandbox = importlib.import_module("jaxrl_llm.envs.sandbox")  # lazily: it may be absent
+        sandbox = importlib.import_module("jaxrl_llm.tasks.sandbox")  # lazily: it may be absent
         ok, why = sandbox.isolation_available()
         self.sandbox, self.unavailable = (sandbox.Sandbox(), None) if ok else (None, str(why) or "no isolation")
       except Exception as e:  # pylint: disable=broad-except
-        self.unavailable = f"jaxrl_llm.envs.sandbox: {type(e).__name__}: {e}"
+        self.unavailable = f"jaxrl_llm.tasks.sandbox: {type(e).__name__}: {e}"
     if self.sandbox is None:
       raise ToolError(f"the python sandbox is unavailable ({self.unavailable}); the code was not run")
     return self.sandbox.run(code)

@@ -18,7 +18,7 @@ import numpy as np
 from jaxrl_llm.envs import base as env_base
 from jaxrl_llm.envs.episodes import EpisodeRunner, reward_figures
 from jaxrl_llm.envs.observation import ObservationFormat
-from jaxrl_llm.envs.tool_calls import TOOL_CALL_CLOSE
+from jaxrl_llm.tasks.tool_calls import TOOL_CALL_CLOSE
 from jaxrl_llm.envs.tools import make_registry
 from jaxrl_llm.jobs.evaluation import PolicyEvaluator, Scores, sampling_key as eval_key
 from jaxrl_llm.reward_model.encoding import encode_prompt
@@ -48,9 +48,10 @@ def build_episode_runner(settings: Any, task: Any, tokenizer: Any, encode_prompt
     tools: a ready :class:`~jaxrl_llm.envs.tools.ToolRegistry` (default: ``env.tools`` with ``env.tool_aliases``).
   """
   factory = env_base.load_environment_factory(settings.name)
+  sandbox = None
   if tools is None:
-    tools = make_registry(list(settings.tools), aliases=dict(settings.tool_aliases),
-                          python_runner=_sandbox_runner(settings) if "python" in settings.tools else None)
+    sandbox = _sandbox_runner(settings) if "python" in settings.tools else None
+    tools = make_registry(list(settings.tools), aliases=dict(settings.tool_aliases), python_runner=sandbox)
   kwargs = dict(settings.kwargs)
   limits = env_base.EpisodeLimits(max_turns=settings.max_turns, max_tokens=settings.max_tokens,
                                   max_turn_tokens=settings.max_turn_tokens)
@@ -59,7 +60,8 @@ def build_episode_runner(settings: Any, task: Any, tokenizer: Any, encode_prompt
       encode_prompt=encode_prompt, encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
       decode=lambda ids: tokenizer.decode([i for i in ids if 0 <= int(i) < tokenizer.vocab_size]),
       observation_format=ObservationFormat.build(settings.observation_format, tokenizer),
-      stop_token_ids=turn_stop_ids(tokenizer, settings.stop_at_tool_call), pad_id=tokenizer.pad_id)
+      stop_token_ids=turn_stop_ids(tokenizer, settings.stop_at_tool_call), pad_id=tokenizer.pad_id,
+      resource_metrics=sandbox.metrics if sandbox is not None else dict)
 
 
 def episode_runner_builder(settings: Any, task: Any, tokenizer: Any, use_chat_template: bool) -> Callable[[], Any]:
@@ -70,7 +72,7 @@ def episode_runner_builder(settings: Any, task: Any, tokenizer: Any, use_chat_te
 
 
 def _sandbox_runner(settings: Any) -> Any:
-  from jaxrl_llm.envs.sandbox import Sandbox  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.tasks.sandbox import Sandbox  # pylint: disable=import-outside-toplevel
   return Sandbox(workers=settings.sandbox_workers)
 
 
@@ -91,7 +93,8 @@ class EpisodeSource(SyncSource):
     seconds = time.perf_counter() - t0
     rewards = out.rewards.astype(np.float32)
     return Rollout(examples, out.trajectory, out.response_tokens, seconds, rewards=rewards,
-                   reward_metrics=reward_figures(rewards), metrics={"time/wait_s": seconds, **out.metrics})
+                   reward_metrics=reward_figures(rewards),
+                   metrics={"time/wait_s": seconds, **out.metrics, **self.runner.resource_metrics()})
 
 
 class EpisodeEvaluator(PolicyEvaluator):

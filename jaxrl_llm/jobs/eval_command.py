@@ -52,6 +52,7 @@ from jaxrl_llm.diagnostics import estimates, writers
 from jaxrl_llm.errors import ConfigError
 from jaxrl_llm.jobs import JOBS, Job, resume
 from jaxrl_llm.jobs.base import Progress, place_on_mesh
+from jaxrl_llm.jobs.episodes import EpisodeEvaluator, build_episode_runner
 from jaxrl_llm.jobs.evaluation import PolicyEvaluator, Scores, eval_metrics
 from jaxrl_llm.jobs.score import reward_runner
 from jaxrl_llm.learner import checkpoint, multihost
@@ -279,6 +280,10 @@ def examples_and_evaluator(job: Job, request: EvalRequest, n: int) -> tuple[str,
       raise ConfigError(f"{where}: the model's tokenizer cannot encode this prompt ({err})") from None
   runner = reward_runner(task.reward, job.settings.reward, name="eval")
   job.on_close(runner.close)
+  if getattr(job, "episodes", None) is not None:  # a multi-turn run: the other examples are played as episodes
+    episodes = build_episode_runner(job.settings.env, task, job.tokenizer, job.encode_prompt)
+    return what, examples[:request.limit or None], EpisodeEvaluator(job.sampler, episodes, runner, seed=c.seed,
+                                                                    pass_k=n)
   evaluator = PolicyEvaluator(job.sampler, runner, job.encode_prompt, job.decode_response, seed=c.seed, pass_k=n)
   return what, examples[:request.limit or None], evaluator
 

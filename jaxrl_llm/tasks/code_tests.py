@@ -14,7 +14,7 @@ Rows are read and checked by :class:`jaxrl_llm.tasks.jsonl.JsonlTask` (a bad row
 file, the line and the field); ``tests`` must be a non-empty list of statements that compile.
 
 Reward: the response's code (the first fenced ```python block if there is one, else the whole
-response) runs in a :class:`jaxrl_llm.envs.sandbox.Sandbox` (bubblewrap, no network, limits),
+response) runs in a :class:`jaxrl_llm.tasks.sandbox.Sandbox` (bubblewrap, no network, limits),
 then each test runs in the same namespace; the reward is ``passed / len(tests)``. A sandbox
 failure (wall-clock or CPU limit, memory, output limit, a signal, a syntax error or an exception
 while loading the code, ``exit`` before the tests finish) scores 0; :meth:`CodeTestsTask.evaluate`
@@ -89,7 +89,7 @@ def harness(code: str, tests: Sequence[str], nonce: str) -> str:
 
 def _shared_sandbox(workers: int, limits):
   """This process's pool for ``(workers, limits)`` (started on first use, kept until exit)."""
-  from jaxrl_llm.envs import sandbox  # pylint: disable=import-outside-toplevel
+  from jaxrl_llm.tasks import sandbox  # pylint: disable=import-outside-toplevel
   key = (workers, limits)
   with _SANDBOX_LOCK:
     if key not in _SANDBOXES:
@@ -107,7 +107,7 @@ class CodeTestsTask(JsonlTask):
     tests_field: field holding the list of hidden tests.
     sandbox_workers: warm sandboxes of this process's pool.
     cpu_seconds, wall_seconds, memory_mb, max_processes: limits of one response's run
-      (:class:`jaxrl_llm.envs.sandbox.SandboxLimits`).
+      (:class:`jaxrl_llm.tasks.sandbox.SandboxLimits`).
   """
 
   name: ClassVar[str] = "code_tests"
@@ -150,8 +150,8 @@ class CodeTestsTask(JsonlTask):
     return key, dataclasses.replace(example, meta=meta)
 
   def limits(self):
-    """The :class:`~jaxrl_llm.envs.sandbox.SandboxLimits` of one response's run."""
-    from jaxrl_llm.envs.sandbox import SandboxLimits  # pylint: disable=import-outside-toplevel
+    """The :class:`~jaxrl_llm.tasks.sandbox.SandboxLimits` of one response's run."""
+    from jaxrl_llm.tasks.sandbox import SandboxLimits  # pylint: disable=import-outside-toplevel
     return SandboxLimits(cpu_seconds=self.cpu_seconds, wall_seconds=self.wall_seconds, memory_mb=self.memory_mb,
                          max_processes=self.max_processes)
 

