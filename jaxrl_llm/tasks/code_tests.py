@@ -103,7 +103,8 @@ class CodeTestsTask(JsonlTask):
 
   Attributes (besides :class:`JsonlTask`'s; ``verifier`` is always ``"exact"`` here, used only
   for the built-in text preference pairs):
-    path: JSONL of ``prompt``/``solution``/``tests`` rows (default: the built-in set).
+    path: JSONL of ``prompt``/``solution``/``tests`` rows; empty (the default): the built-in set,
+      ``jaxrl_llm/tasks/data/code_tests.jsonl``.
     tests_field: field holding the list of hidden tests.
     sandbox_workers: warm sandboxes of this process's pool.
     cpu_seconds, wall_seconds, memory_mb, max_processes: limits of one response's run
@@ -112,7 +113,7 @@ class CodeTestsTask(JsonlTask):
 
   name: ClassVar[str] = "code_tests"
 
-  path: str = DEFAULT_PATH
+  path: str = ""
   prompt_field: str = "prompt"
   answer_field: str = "solution"
   prompt_template: str = "{prompt}\nAnswer with the Python code in a ```python block.\n"
@@ -130,6 +131,8 @@ class CodeTestsTask(JsonlTask):
       raise ValueError(f"code_tests.verifier must be 'exact' (the reward runs the tests), got {self.verifier!r}")
     if self.sandbox_workers < 1:
       raise ValueError(f"code_tests.sandbox_workers must be >= 1, got {self.sandbox_workers!r}")
+    if not self.path:  # the built-in set (its absolute path differs per install, so it is not the default)
+      object.__setattr__(self, "path", DEFAULT_PATH)
     super().__post_init__()
 
   def _row_to_example(self, row: Mapping[str, Any], path: str, lineno: int) -> tuple[str, base.Example]:
