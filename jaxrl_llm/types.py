@@ -72,12 +72,14 @@ class Trajectory:
     are short or responses stop early most trailing columns hold no real token,
     and the learner would spend its forward and backward passes on them (the
     default addition job: 24 columns, at most 15 used). The width kept is the
-    last used column rounded up to a multiple of ``multiple``, so the learner
-    compiles for a handful of widths only. Causal attention makes the result
-    the same maths for every real token.
+    last used column rounded up by :func:`width_bucket` (to a multiple of
+    ``multiple`` up to ``4 * multiple``, then to ``2^k`` or ``1.5 * 2^k``), so the
+    learner compiles for a handful of widths only, about two per doubling of
+    the length (multi-turn episodes spread over many widths). Causal attention
+    makes the result the same maths for every real token.
 
     Args:
-      multiple: the kept width is a multiple of this (>= 1).
+      multiple: the rounding of short widths (>= 1).
 
     Returns:
       A Trajectory whose [B, T] fields have ``T' <= T`` columns.
@@ -87,7 +89,7 @@ class Trajectory:
     used = np.asarray(self.sequence_mask_bt)
     columns = np.flatnonzero(used.any(axis=0))
     last = int(columns[-1]) + 1 if columns.size else 1
-    width = min(int(used.shape[1]), -(-last // multiple) * multiple)
+    width = min(int(used.shape[1]), width_bucket(last, multiple))
     if width == used.shape[1]:
       return self
     cut = lambda a: np.asarray(a)[:, :width]
@@ -102,6 +104,21 @@ class Trajectory:
     """The trajectory of the given rows (host-side, numpy), in that order."""
     rows = np.asarray(rows, np.int64)
     return jax.tree.map(lambda a: np.asarray(a)[rows], self)
+
+
+def width_bucket(n: int, multiple: int = 8) -> int:
+  """Smallest width >= ``n`` among ``multiple, 2 multiple, ..., 4 multiple`` and then ``2^k`` and
+  ``1.5 * 2^k`` above it (for 8: 8, 16, 24, 32, 48, 64, 96, 128, 192, ...): at most a third of a
+  long batch is padding, and the widths, one compilation each, grow geometrically."""
+  n, multiple = max(int(n), 1), int(multiple)
+  if n <= 4 * multiple:
+    return -(-n // multiple) * multiple
+  width = 4 * multiple
+  while True:
+    for candidate in (width, width * 3 // 2):
+      if candidate >= n:
+        return candidate
+    width *= 2
 
 
 _BT_FILL = {"tokens_bt": None, "prompt_mask_bt": False, "response_mask_bt": False, "observation_mask_bt": False,
@@ -145,4 +162,4 @@ def concat_trajectories(trajectories, pad_id: int) -> Trajectory:
       finished_b=np.concatenate([np.asarray(t.finished_b) for t in trajectories]).astype(bool))
 
 
-__all__ = ["Array", "Trajectory", "concat_trajectories"]
+__all__ = ["Array", "Trajectory", "concat_trajectories", "width_bucket"]

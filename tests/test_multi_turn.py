@@ -304,3 +304,39 @@ def test_the_python_tool_runs_model_code_in_the_sandbox_and_its_counters_reach_t
   assert printed.observation == "<tool_response>\n6\n</tool_response>"
   counters = runner.resource_metrics()
   assert counters["sandbox/calls"] == 2 and runner.resource_metrics()["sandbox/calls"] == 0  # per step
+
+
+def test_a_multi_token_stop_sequence_ends_the_turn_in_both_sessions():
+  """A tool-call end tag the tokenizer splits into several tokens ends the turn right after it, in the
+  KV-cache session (inside the compiled loop) and the replaying one (cut after the fact) alike."""
+  config = _config(invariant=True)
+  sampler = JaxSampler(config, models.init_params(config, jax.random.PRNGKey(7)), SamplerConfig(greedy=True))
+  prompts = [[5, 6, 7], [8, 9]]
+  free = JaxSession(sampler, prompts, rng=jax.random.PRNGKey(0), row_ids=[0, 1], capacity=12, max_turn_tokens=8)
+  first = free.generate([0, 1], [8, 8], ())[0].tokens
+  sequence = tuple(first[2:4])
+  end = next(i + 2 for i in range(len(first) - 1) if tuple(first[i:i + 2]) == sequence)
+  sessions = [JaxSession(sampler, prompts, rng=jax.random.PRNGKey(0), row_ids=[0, 1], capacity=12,
+                         max_turn_tokens=8),
+              ReplaySession(sampler, prompts, rng=jax.random.PRNGKey(0), row_ids=[0, 1], capacity=12,
+                            config=sampler.config, model_config=config)]
+  outs = [s.generate([0, 1], [8, 8], (), stop_sequences=[sequence]) for s in sessions]
+  for out in outs:
+    assert out[0].tokens == first[:end] and out[0].stopped
+  assert [o.tokens for o in outs[0]] == [o.tokens for o in outs[1]]
+  assert [o.logprobs for o in outs[0]] == [o.logprobs for o in outs[1]]
+  for s in sessions:  # the next turn continues after the stop sequence in both
+    s.append([0, 1], [[3], [3]])
+  nxt = [s.generate([0, 1], [2, 2], ()) for s in sessions]
+  assert [o.tokens for o in nxt[0]] == [o.tokens for o in nxt[1]]
+
+
+def test_turn_stops_follow_the_tokenizer():
+  from jaxrl_llm.jobs.episodes import turn_stops
+  specials = bridge.tokenizer.DEFAULT_CHAR_SPECIALS
+  one_token = bridge.build_char_tokenizer("abc", specials + ("</tool_call>",))
+  assert turn_stops(one_token, True) == ((1, one_token.token_to_id("</tool_call>")), ())
+  assert turn_stops(one_token, False) == ((1,), ())
+  split = bridge.build_char_tokenizer("<>/_acdeloprt")
+  assert turn_stops(split, True) == ((1,), (tuple(split.encode("</tool_call>")),))
+  assert turn_stops(bridge.build_char_tokenizer("0123456789"), True) == ((1,), ())  # cannot write the tag

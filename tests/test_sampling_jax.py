@@ -180,5 +180,10 @@ def test_trimmed_trajectory_drops_only_padding_columns(result):
   assert not traj.response_mask_bt[:, width:].any() and not traj.prompt_mask_bt[:, width:].any()
   np.testing.assert_array_equal(trimmed.finished_b, traj.finished_b)
   assert traj.trimmed(multiple=1000) is traj  # rounding past the full width keeps it
+  # long rows (multi-turn episodes) round geometrically: few widths, at most a third of padding
+  from jaxrl_llm.types import width_bucket
+  widths = [width_bucket(n) for n in range(1, 1025)]
+  assert sorted(set(widths)) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+  assert all(n <= w and (w <= 32 and w - n < 8 or w <= 1.5 * n) for n, w in zip(range(1, 1025), widths))
   with pytest.raises(ValueError, match="multiple=0"):
     traj.trimmed(multiple=0)

@@ -128,6 +128,8 @@ class EpisodeRunner:
     decode: ids -> text with special tokens kept (the environment parses tags).
     observation_format: ``wrap(observation, turn_text) -> text`` appended after a turn
       (:class:`~jaxrl_llm.envs.observation.ObservationFormat`).
+    stop_sequences: token sequences that end a model turn (a tool-call end tag the tokenizer
+      splits into several tokens).
     stop_token_ids: ids that end a model turn (EOS and, where the tokenizer has one, the
       tool-call end token).
     pad_id: the padding id.
@@ -141,12 +143,14 @@ class EpisodeRunner:
   def __init__(self, *, env_factory: Callable[[Any], Any], limits: EpisodeLimits,
                encode_prompt: Callable[[str], list[int]], encode_text: Callable[[str], list[int]],
                decode: Callable[[Sequence[int]], str], observation_format: Any, stop_token_ids: Sequence[int],
-               pad_id: int, open_session: Callable[..., Any] = session_lib.open_session,
+               pad_id: int, stop_sequences: Sequence[Sequence[int]] = (),
+               open_session: Callable[..., Any] = session_lib.open_session,
                resource_metrics: Callable[[], Mapping[str, float]] = dict):
     self.env_factory, self.limits = env_factory, limits
     self.encode_prompt, self.encode_text, self.decode = encode_prompt, encode_text, decode
     self.observation_format = observation_format
     self.stop_token_ids = tuple(int(s) for s in stop_token_ids)
+    self.stop_sequences = tuple(tuple(int(t) for t in seq) for seq in stop_sequences)
     self.open_session, self.pad_id = open_session, pad_id
     self.resource_metrics = resource_metrics
 
@@ -195,7 +199,7 @@ class EpisodeRunner:
         break
       budgets = [min(limits.max_turn_tokens, session.remaining(r)) for r in playing]
       with guard():
-        outputs = session.generate(playing, budgets, self.stop_token_ids)
+        outputs = session.generate(playing, budgets, self.stop_token_ids, self.stop_sequences)
       next_rows, observed = [], []
       for r, out in zip(playing, outputs):
         ep = episodes[r]

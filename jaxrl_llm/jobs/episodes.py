@@ -24,16 +24,24 @@ from jaxrl_llm.jobs.evaluation import PolicyEvaluator, Scores, sampling_key as e
 from jaxrl_llm.reward_model.encoding import encode_prompt
 from jaxrl_llm.rollout.sources import Rollout, SyncSource, sampling_key
 
-__all__ = ["EpisodeEvaluator", "EpisodeSource", "build_episode_runner", "episode_runner_builder", "turn_stop_ids"]
+__all__ = ["EpisodeEvaluator", "EpisodeSource", "build_episode_runner", "episode_runner_builder", "turn_stops"]
 
 
-def turn_stop_ids(tokenizer: Any, stop_at_tool_call: bool) -> tuple[int, ...]:
-  """EOS, and the tool-call end token when the tokenizer has it as one token and ``stop_at_tool_call``."""
-  stops = [tokenizer.eos_id]
-  close = tokenizer.token_to_id(TOOL_CALL_CLOSE) if stop_at_tool_call else None
-  if close is not None and close not in stops:
-    stops.append(close)
-  return tuple(stops)
+def turn_stops(tokenizer: Any, stop_at_tool_call: bool) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+  """``(stop ids, stop sequences)`` of a model turn: EOS, and with ``stop_at_tool_call`` the tool-call end
+  tag, as one id when the tokenizer has it as one token, else as the sequence it encodes to (none when
+  the tokenizer cannot write it)."""
+  stops, sequences = [tokenizer.eos_id], []
+  if stop_at_tool_call:
+    close = tokenizer.token_to_id(TOOL_CALL_CLOSE)
+    if close is None:
+      try:
+        sequences.append(tuple(tokenizer.encode(TOOL_CALL_CLOSE, add_special_tokens=False)))
+      except ValueError:  # a character tokenizer without these characters: the model cannot write the tag
+        pass
+    elif close not in stops:
+      stops.append(close)
+  return tuple(stops), tuple(sequences)
 
 
 def build_episode_runner(settings: Any, task: Any, tokenizer: Any, encode_prompt: Callable[[Any], list[int]],
@@ -53,6 +61,7 @@ def build_episode_runner(settings: Any, task: Any, tokenizer: Any, encode_prompt
     sandbox = _sandbox_runner(settings) if "python" in settings.tools else None
     tools = make_registry(list(settings.tools), aliases=dict(settings.tool_aliases), python_runner=sandbox)
   kwargs = dict(settings.kwargs)
+  stops, sequences = turn_stops(tokenizer, settings.stop_at_tool_call)
   limits = env_base.EpisodeLimits(max_turns=settings.max_turns, max_tokens=settings.max_tokens,
                                   max_turn_tokens=settings.max_turn_tokens)
   return EpisodeRunner(
@@ -60,7 +69,7 @@ def build_episode_runner(settings: Any, task: Any, tokenizer: Any, encode_prompt
       encode_prompt=encode_prompt, encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
       decode=lambda ids: tokenizer.decode([i for i in ids if 0 <= int(i) < tokenizer.vocab_size]),
       observation_format=ObservationFormat.build(settings.observation_format, tokenizer),
-      stop_token_ids=turn_stop_ids(tokenizer, settings.stop_at_tool_call), pad_id=tokenizer.pad_id,
+      stop_token_ids=stops, stop_sequences=sequences, pad_id=tokenizer.pad_id,
       resource_metrics=sandbox.metrics if sandbox is not None else dict)
 
 

@@ -96,14 +96,16 @@ class TurnSession(abc.ABC):
     """Tokens row ``row`` may still add (model or observation)."""
     return self.capacity - self.added[row]
 
-  def generate(self, rows: Sequence[int], budgets: Sequence[int], stop_token_ids: Sequence[int]
-               ) -> list[TurnOutput]:
+  def generate(self, rows: Sequence[int], budgets: Sequence[int], stop_token_ids: Sequence[int],
+               stop_sequences: Sequence[Sequence[int]] = ()) -> list[TurnOutput]:
     """Samples one turn for each of ``rows``.
 
     Args:
       rows: distinct row indices.
       budgets: per row, the most tokens of this turn (>= 1, <= ``remaining``).
       stop_token_ids: ids that end a turn (kept in it).
+      stop_sequences: token sequences that end a turn when the turn's tokens end with one (kept
+        in it): a tool-call end tag that the tokenizer splits into several tokens.
 
     Returns:
       One TurnOutput per row, in order.
@@ -115,7 +117,8 @@ class TurnSession(abc.ABC):
                          f"{self.capacity} (expected 1 <= budget <= remaining)")
     if not rows:
       return []
-    outputs = self._generate(rows, budgets, tuple(int(s) for s in stop_token_ids))
+    sequences = tuple(tuple(int(t) for t in seq) for seq in stop_sequences if len(seq))
+    outputs = self._generate(rows, budgets, tuple(int(s) for s in stop_token_ids), sequences)
     for r, out in zip(rows, outputs):
       self.added[r] += len(out.tokens)
     return outputs
@@ -133,7 +136,8 @@ class TurnSession(abc.ABC):
       self.added[r] += len(ids)
 
   @abc.abstractmethod
-  def _generate(self, rows: list[int], budgets: list[int], stops: tuple[int, ...]) -> list[TurnOutput]:
+  def _generate(self, rows: list[int], budgets: list[int], stops: tuple[int, ...],
+                sequences: tuple[tuple[int, ...], ...]) -> list[TurnOutput]:
     """``generate`` after validation."""
 
   @abc.abstractmethod
@@ -167,7 +171,7 @@ class ReplaySession(TurnSession):
     self.turns = 0
     super().__init__()
 
-  def _generate(self, rows, budgets, stops):
+  def _generate(self, rows, budgets, stops, sequences):
     key = jax.random.fold_in(self.rng, self.turns)
     self.turns += 1
     outputs: dict[int, TurnOutput] = {}
@@ -179,8 +183,12 @@ class ReplaySession(TurnSession):
       for i, r in enumerate(group):
         tokens = [int(t) for t in result.response_tokens[i]]
         logps = [float(x) for x in result.response_logprobs[i]]
+        cut = _first_sequence_end(tokens, sequences)  # the sampler knows stop ids only: cut after a sequence
+        tokens, logps = tokens[:cut], logps[:cut]
         self.histories[r] += tokens
-        outputs[r] = TurnOutput(tokens, logps, bool(tokens) and tokens[-1] in stops, int(result.policy_version))
+        in_sequence = any(len(tokens) >= len(q) and tuple(tokens[-len(q):]) == q for q in sequences)
+        stopped = bool(tokens) and (tokens[-1] in stops or in_sequence)
+        outputs[r] = TurnOutput(tokens, logps, stopped, int(result.policy_version))
     return [outputs[r] for r in rows]
 
   def _append(self, rows, tokens):
@@ -198,6 +206,7 @@ class _TurnSpec:
   top_p: float
   greedy: bool
   stop_token_ids: tuple[int, ...]
+  stop_sequences: tuple[tuple[int, ...], ...] = ()
 
 
 class JaxSession(TurnSession):
@@ -253,7 +262,7 @@ class JaxSession(TurnSession):
     self.written = jnp.asarray(lengths)
     self.version = self.sampler.policy_version
 
-  def _generate(self, rows, budgets, stops):
+  def _generate(self, rows, budgets, stops, sequences):
     if self.sampler.policy_version != self.version:  # new weights since the cache was written
       self._read_histories()
     for r in rows:
@@ -262,7 +271,8 @@ class JaxSession(TurnSession):
                          "(call append, with no tokens if there is no observation)")
     c = self.config
     spec = _TurnSpec(max_steps=self.max_turn_tokens, temperature=float(c.temperature), top_k=int(c.top_k),
-                     top_p=float(c.top_p), greedy=bool(c.greedy), stop_token_ids=stops)
+                     top_p=float(c.top_p), greedy=bool(c.greedy), stop_token_ids=stops,
+                     stop_sequences=tuple(q for q in sequences if len(q) <= self.max_turn_tokens))
     budget = np.zeros((self.batch,), np.int32)
     budget[rows] = np.minimum(budgets, self.max_turn_tokens)
     out = _turn_program(self.sampler.params, self.logits, self.cache, self.written, self.sampled,
@@ -332,7 +342,11 @@ def _turn_program(params, logits, cache, written_b, sampled_b, budget_b, row_key
     tokens = tokens.at[:, step].set(token)
     logps = logps.at[:, step].set(jnp.where(alive, logp, 0.0))
     count, sampled = count + alive, sampled + alive
-    stopped = stopped | (alive & jnp.isin(token, stop_ids))
+    ended = jnp.isin(token, stop_ids)
+    for seq in spec.stop_sequences:  # the turn's tokens (columns 0..step) end with seq
+      window = lax.dynamic_slice_in_dim(tokens, jnp.maximum(step - len(seq) + 1, 0), len(seq), axis=1)
+      ended = ended | ((step + 1 >= len(seq)) & jnp.all(window == jnp.asarray(seq, jnp.int32)[None], axis=1))
+    stopped = stopped | (alive & ended)
     feed = going(count, stopped)  # rows that need the next logits
     new_logits, cache = lax.cond(jnp.any(feed),
                                  lambda: models.decode_step(params, mc, cache, token, written),
@@ -364,3 +378,11 @@ def open_session(sampler: Any, prompts: Sequence[Sequence[int]], *, rng: Any, ro
                       max_turn_tokens=max_turn_tokens, **overrides)
   return ReplaySession(sampler, prompts, rng=rng, row_ids=row_ids, capacity=capacity,
                        config=sampler.config.replace(**overrides), model_config=sampler.model_config, **overrides)
+
+
+def _first_sequence_end(tokens: Sequence[int], sequences: tuple[tuple[int, ...], ...]) -> int:
+  """Length of the shortest prefix of ``tokens`` that ends with one of ``sequences`` (``len(tokens)``: none)."""
+  for end in range(1, len(tokens) + 1):
+    if any(end >= len(q) and tuple(tokens[end - len(q):end]) == q for q in sequences):
+      return end
+  return len(tokens)
