@@ -280,14 +280,8 @@ def decode_step(params: Params, config: ModelConfig, cache: KVCache, tokens_b: I
     ``(logits_bv, cache)``: float32 [B, V] next-token logits and the updated cache.
   """
   chex.assert_rank([tokens_b, index_b], 1)
-  model = Decoder(config)
-  b = tokens_b.shape[0]
   index_b = index_b.astype(jnp.int32)
-  valid = cache.valid_bs.at[jnp.arange(b), index_b].set(True)
-  x, keys, values = model.apply({"params": params}, tokens_b[:, None], index_b[:, None], index_b[:, None], valid,
-                                cache.k, cache.v, method=Decoder.trunk)
-  logits = model.apply({"params": params}, x[:, 0], ("logits",), method=Decoder.head)["logits"]
-  return logits, KVCache(k=keys, v=values, valid_bs=valid)
+  return extend(params, config, cache, tokens_b[:, None], index_b, jnp.ones_like(index_b))
 
 
 @_jit_config

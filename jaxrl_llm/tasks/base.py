@@ -116,6 +116,15 @@ def shaped_reward(*, correct: bool, well_formed: bool, partial: float,
   return format_reward * float(well_formed) + partial_credit * float(partial)
 
 
+def digits_reward(response: str, answer: str, *, partial_credit: float, format_reward: float) -> float:
+  """:func:`shaped_reward` of a number written in digits: exact match (stripped), well formed when
+  digits only, partial credit for digits in place (:func:`positional_match`)."""
+  pred = response.strip()
+  return shaped_reward(correct=pred == answer, well_formed=pred.isdigit() and pred.isascii(),
+                       partial=positional_match(pred, answer), partial_credit=partial_credit,
+                       format_reward=format_reward)
+
+
 def positional_match(pred: str, gold: str) -> float:
   """Fraction of positions where ``pred`` and ``gold`` agree, over the longer length."""
   longest = max(len(pred), len(gold))

@@ -121,7 +121,5 @@ class ToolMultiplyTask(base.GeneratedTask):
     return "".join(text for text, _ in self.sft_segments(example))
 
   def reward(self, example: base.Example, response: str) -> float:
-    pred = response.strip()
-    return base.shaped_reward(correct=pred == example.answer, well_formed=pred.isdigit() and pred.isascii(),
-                              partial=base.positional_match(pred, example.answer),
-                              partial_credit=self.partial_credit, format_reward=self.format_reward)
+    return base.digits_reward(response, example.answer, partial_credit=self.partial_credit,
+                              format_reward=self.format_reward)
